@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` (the platform) and `make test` (the suite).
+# Both create the venv with uv when it is missing, installing uv with pip if needed.
+SHELL := /bin/bash
+PYTHON ?= python3
+UV := $(shell command -v uv 2>/dev/null || echo "$(PYTHON) -m uv")
+VENV := .venv
+export PYSPARK_PYTHON := $(CURDIR)/$(VENV)/bin/python
+export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(VENV)/bin/python
+export SPARK_LOCAL_IP := 127.0.0.1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: run test venv lint bench clean
+
+venv: $(VENV)/.synced
+
+$(VENV)/.synced: pyproject.toml uv.lock
+	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || \
+		{ echo "installing uv with pip"; $(PYTHON) -m pip install --quiet uv; }
+	$(UV) sync --frozen
+	@touch $@
+
+run: venv
+	$(VENV)/bin/isbflow platform up
+
+test: venv
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv
+	$(VENV)/bin/python bench/throughput.py
+
+clean:
+	rm -rf .isbflow bench/results/*.json

@@ -1,0 +1,67 @@
+"""The ``isbflow`` command: a thin face over the library's layers.
+
+One module per command group (``isbflow/cli/<group>.py``), each a Typer app.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from isbflow.cli import nats as nats_cli
+from isbflow.cli.common import JsonOut, console, fail, print_json
+from isbflow.spec import SpecError, load_specs
+
+app = typer.Typer(
+    name="isbflow",
+    help="Streaming pipelines: PySpark steps, NATS JetStream buffers, Airflow control plane.\n\n"
+         "Start with: isbflow validate -f pipelines/logs.yaml",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(nats_cli.app, name="nats")
+
+
+@app.command()
+def validate(
+    file: Annotated[list[Path], typer.Option("--file", "-f", help="Spec file(s) to check.")],
+    json_out: JsonOut = False,
+) -> None:
+    """Check spec files. Exit 0 when valid; else exit 2 with one line per problem:
+
+    FILE: path.to.field: what is wrong
+    """
+    try:
+        specs = load_specs(file)
+    except SpecError as e:
+        if json_out:
+            print_json({"valid": False, "problems": [p.__dict__ for p in e.problems]})
+            raise typer.Exit(2) from None
+        fail(str(e), 2)
+    if json_out:
+        print_json({"valid": True, "pipelines": sorted(specs.pipelines), "services": sorted(specs.services)})
+    else:
+        console.print(f"valid: {len(specs.pipelines)} pipeline(s), {len(specs.services)} ISB service(s)")
+
+
+def _register_optional() -> None:
+    """Command groups added by later layers register here (kept import-light)."""
+    import importlib
+
+    for mod, name in (("isbflow.cli.isb", "isb"),):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        app.add_typer(m.app, name=name)
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()

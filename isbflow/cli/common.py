@@ -1,0 +1,91 @@
+"""Options and helpers shared by every ``isbflow`` command.
+
+Exit codes: 0 success, 1 the operation failed (unreachable server, drift
+refused, timeout), 2 bad input (spec validation, usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+
+from isbflow.isb.connect import IsbUnreachable, NatsSettings, default_data_dir, resolve_settings
+from isbflow.spec import SpecError, Specs, load_specs
+
+T = TypeVar("T")
+
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+SpecFile = Annotated[
+    list[Path],
+    typer.Option("--file", "-f", help="Spec file(s) (YAML, one or more documents each). Repeat for several."),
+]
+DataDir = Annotated[
+    Path | None,
+    typer.Option("--data-dir", envvar="ISBFLOW_HOME",
+                 help="Where isbflow keeps its state (embedded server, checkpoints). Default: ./.isbflow"),
+]
+NatsUrl = Annotated[
+    str | None,
+    typer.Option("--nats-url", envvar="NATS_URL",
+                 help="ISB service URL(s), comma separated, e.g. nats://user:pass@127.0.0.1:4222. "
+                      "Default: the spec's jetstream.url, else the embedded server under --data-dir."),
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+PipelineName = Annotated[
+    str | None, typer.Option("--pipeline", "-p", help="Pipeline name, when the files hold more than one.")
+]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one clear line (or several for a spec) to stderr and exit."""
+    err_console.print(message, style="red", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def load_or_exit(files: list[Path]) -> Specs:
+    if not files:
+        fail("no spec given: pass one with -f FILE", 2)
+    try:
+        return load_specs(files)
+    except SpecError as e:
+        fail(str(e), 2)
+
+
+def data_dir_or_default(data_dir: Path | None) -> Path:
+    return data_dir if data_dir is not None else default_data_dir()
+
+
+def settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs | None = None,
+                     pipeline: str | None = None) -> NatsSettings:
+    service = None
+    if specs is not None:
+        if specs.pipelines:
+            p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
+            service = specs.service_for(p)
+        elif specs.services:
+            service = next(iter(specs.services.values()))
+    try:
+        return resolve_settings(nats_url, data_dir_or_default(data_dir), service)
+    except IsbUnreachable as e:
+        fail(str(e))
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine; an unreachable ISB service becomes one line and exit 1."""
+    try:
+        return asyncio.run(coro)
+    except IsbUnreachable as e:
+        fail(str(e))
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")

