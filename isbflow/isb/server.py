@@ -6,6 +6,11 @@ readable only; anonymous clients are refused; cluster routes authenticated),
 waits until every node reports JetStream healthy, and records PIDs, ports and
 URLs in ``<data dir>/nats/state.json``. Every isbflow command, test fixture and
 DAG finds the server through that file (:func:`read_state`).
+
+Processes are only ever signalled by the PIDs recorded there, and only while
+``/proc/<pid>/cmdline`` still shows our nats-server with our config (a PID the
+kernel reused for something else is left alone). With ``tls`` the client
+listener requires TLS and the recorded URLs are ``tls://``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class ServerState:
     password_file: str | None = None
     ca_file: str | None = None
     started_at: float = field(default_factory=time.time)
+    tls: bool = False
 
     @property
     def password(self) -> str | None:
@@ -61,20 +67,24 @@ class ServerState:
     @property
     def urls(self) -> list[str]:
         """Client URLs, credentials included when auth is on (usable by any NATS client)."""
-        pw = self.password
-        auth = f"{self.user}:{pw}@" if self.user and pw else ""
-        return [f"nats://{auth}{HOST}:{n.client_port}" for n in self.nodes]
+        return self._urls(with_secrets=True)
 
     @property
     def url(self) -> str:
         return ",".join(self.urls)
 
+    def _urls(self, with_secrets: bool) -> list[str]:
+        pw = self.password if with_secrets else None
+        auth = f"{self.user}:{pw}@" if self.user and pw else ""
+        scheme = "tls" if self.tls else "nats"
+        return [f"{scheme}://{auth}{HOST}:{n.client_port}" for n in self.nodes]
+
     def alive(self) -> list[bool]:
-        return [_pid_alive(n.pid) for n in self.nodes]
+        return [_node_alive(n) for n in self.nodes]
 
     def to_json(self, with_secrets: bool = True) -> dict:
         d = asdict(self)
-        d["urls"] = self.urls if with_secrets else [f"nats://{HOST}:{n.client_port}" for n in self.nodes]
+        d["urls"] = self._urls(with_secrets)
         d["alive"] = self.alive()
         return d
 
@@ -110,6 +120,20 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _node_alive(node: NodeState) -> bool:
+    """The recorded PID still runs *our* nats-server (not a process that reused the PID)."""
+    if not _pid_alive(node.pid):
+        return False
+    try:
+        with open(f"/proc/{node.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: trust the PID
+        return True
+    return node.config.encode() in argv
+
+
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -118,8 +142,8 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[int], store: Path,
-          user: str | None, password: str | None, max_payload: int, max_mem: int, max_file: int,
-          tls: dict | None) -> str:
+          user: str | None, password: str | None, route_password: str | None, max_payload: int,
+          max_mem: int, max_file: int, tls: dict | None) -> str:
     lines = [
         f"server_name: {node}",
         f"listen: {HOST}:{client}",
@@ -135,9 +159,10 @@ def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[i
             f'tls {{ cert_file: "{tls["cert"]}", key_file: "{tls["key"]}", ca_file: "{tls["ca"]}", timeout: 5 }}'
         )
     if cluster is not None:
-        cred = f"route:{password}@" if user else ""
+        # Routes have their own secret: a client's credentials do not let anyone join the cluster.
+        cred = f"route:{route_password}@" if user else ""
         rts = ", ".join(f'"nats-route://{cred}{HOST}:{p}"' for p in routes)
-        auth = f'authorization {{ user: "route", password: "{password}", timeout: 5 }}' if user else ""
+        auth = f'authorization {{ user: "route", password: "{route_password}", timeout: 5 }}' if user else ""
         lines.append(f"cluster {{\n  name: isbflow\n  listen: {HOST}:{cluster}\n  routes: [{rts}]\n  {auth}\n}}")
     return "\n".join(lines) + "\n"
 
@@ -159,11 +184,68 @@ def read_state(data_dir: Path | str) -> ServerState | None:
     path = nats_dir(Path(data_dir)) / STATE_FILE
     if not path.exists():
         return None
-    d = json.loads(path.read_text())
-    d.pop("urls", None)
-    d.pop("alive", None)
-    d["nodes"] = [NodeState(**n) for n in d["nodes"]]
-    return ServerState(**d)
+    try:
+        d = json.loads(path.read_text())
+        d = {k: v for k, v in d.items() if k in ServerState.__dataclass_fields__}
+        d["nodes"] = [NodeState(**n) for n in d["nodes"]]
+        return ServerState(**d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise EmbeddedNatsError(
+            f"{path} is not a state file isbflow wrote ({e}): stop any nats-server it names and remove it"
+        ) from None
+
+
+MAX_CLUSTER = 7
+
+
+def check_cluster_size(cluster: int) -> int:
+    """1 (a single server) or 3..7 nodes: JetStream needs a majority, so 2 nodes can lose none."""
+    if cluster == 1 or 3 <= cluster <= MAX_CLUSTER:
+        return cluster
+    raise EmbeddedNatsError(
+        f"cannot run a cluster of {cluster}: use 1 node, or 3 to {MAX_CLUSTER} "
+        "(JetStream needs a majority of nodes up; with 2 nodes losing either stops it)"
+    )
+
+
+def _secret(path: Path) -> str:
+    """The secret kept in ``path`` (owner-only), created on first use and kept across restarts."""
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_urlsafe(24)
+    _write_private(path, value)
+    return value
+
+
+PORTS_FILE = "ports.json"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports(ndir: Path, cluster: int, client_port: int | None) -> list[tuple[int, int, int | None]]:
+    """(client, http, cluster) ports per node: those of the last start when still free, so
+    a restarted server keeps its URLs (clients reconnect); else fresh free ones."""
+    try:
+        last = [tuple(p) for p in json.loads((ndir / PORTS_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        last = []
+    reusable = len(last) == cluster and all(
+        _port_free(p) for node in last for p in node if p is not None) and (
+        client_port is None or last[0][0] == client_port)
+    ports = last if reusable else [
+        (client_port if (client_port and i == 0) else free_port(), free_port(), free_port() if cluster > 1 else None)
+        for i in range(cluster)
+    ]
+    _write_private(ndir / PORTS_FILE, json.dumps(ports))
+    return ports  # type: ignore[return-value]
 
 
 def start_embedded(
@@ -177,12 +259,16 @@ def start_embedded(
     tls: dict | None = None,
     timeout: float = 30.0,
 ) -> ServerState:
-    """Start ``cluster`` nats-server processes (1 or 3+) with JetStream; return their state.
+    """Start ``cluster`` nats-server processes (1 or 3..7) with JetStream; return their state.
 
-    Reuses a running server recorded under ``data_dir``. ``tls`` is
-    ``{"cert", "key", "ca"}`` file paths for a TLS listener.
+    Reuses a running server recorded under ``data_dir`` (same node count), else
+    starts fresh ones on the data kept there, on the same ports as last time
+    when they are free (so URLs survive a restart). ``tls`` is ``{"cert", "key", "ca"}``
+    file paths: the client listener then requires TLS and the URLs are ``tls://``.
+    Raises :class:`EmbeddedNatsError` saying what failed and where the logs are.
     """
-    data_dir = Path(data_dir)
+    check_cluster_size(cluster)
+    data_dir = Path(data_dir).absolute()
     ndir = nats_dir(data_dir)
     existing = read_state(data_dir)
     if existing is not None and all(existing.alive()):
@@ -194,25 +280,21 @@ def start_embedded(
         return existing
     if existing is not None:
         stop_embedded(data_dir)
-    if cluster < 1 or cluster == 2:
-        raise EmbeddedNatsError("--cluster must be 1 or >= 3 (JetStream needs a quorum)")
+    if tls is not None:
+        missing = [k for k in ("cert", "key", "ca") if not tls.get(k) or not Path(tls[k]).is_file()]
+        if missing:
+            raise EmbeddedNatsError(f"TLS needs existing cert, key and ca files; missing: {', '.join(missing)}")
+        tls = {k: str(Path(tls[k]).absolute()) for k in ("cert", "key", "ca")}
     ndir.mkdir(parents=True, exist_ok=True)
     os.chmod(ndir, 0o700)
-    user = password = password_file = None
+    user = password = route_password = password_file = None
     if auth:
         user = "isbflow"
-        pw_path = ndir / "password"
-        if pw_path.exists():
-            password = pw_path.read_text().strip()
-        else:
-            password = secrets.token_urlsafe(24)
-            _write_private(pw_path, password)
-        password_file = str(pw_path)
+        password = _secret(ndir / "password")
+        password_file = str(ndir / "password")
+        route_password = _secret(ndir / "route-password") if cluster > 1 else None
     binary = nats_server_binary()
-    ports = [
-        (client_port if (client_port and i == 0) else free_port(), free_port(), free_port() if cluster > 1 else None)
-        for i in range(cluster)
-    ]
+    ports = _ports(ndir, cluster, client_port)
     nodes: list[NodeState] = []
     procs: list[subprocess.Popen] = []
     for i, (cp, hp, rp) in enumerate(ports):
@@ -221,10 +303,11 @@ def start_embedded(
         store.mkdir(parents=True, exist_ok=True)
         routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
         conf = ndir / f"{name}.conf"
-        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, max_payload,
-                                   max_memory_store, max_file_store, tls))
+        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, route_password,
+                                   max_payload, max_memory_store, max_file_store, tls))
         log = ndir / f"{name}.log"
-        with open(log, "ab") as logf:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as logf:
             proc = subprocess.Popen(
                 [binary, "-c", str(conf)],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -232,43 +315,50 @@ def start_embedded(
             )
         procs.append(proc)
         nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
-    state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None)
+    state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None,
+                        tls=tls is not None)
+    # Recorded before waiting: if this process dies now, 'isbflow nats down' still finds them.
+    state_file = ndir / STATE_FILE
+    _write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
     deadline = time.monotonic() + timeout
     pending = list(nodes)
     while pending:
         for n, p in zip(nodes, procs, strict=True):
             if n in pending and p.poll() is not None:
                 _kill_nodes(nodes)
-                tail = Path(n.log).read_text()[-600:]
+                state_file.unlink(missing_ok=True)
+                tail = Path(n.log).read_text(errors="replace")[-600:]
                 raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{tail}")
         pending = [n for n in pending if not _healthy(n.http_port)]
         if pending and time.monotonic() > deadline:
             _kill_nodes(nodes)
+            state_file.unlink(missing_ok=True)
             raise EmbeddedNatsError(
                 f"nats-server not healthy after {timeout:.0f}s: {', '.join(n.name for n in pending)} "
                 f"(logs under {ndir})"
             )
         if pending:
             time.sleep(0.1)
-    _write_private(ndir / STATE_FILE, json.dumps(state.to_json(with_secrets=False), indent=2))
     return state
 
 
 def _kill_nodes(nodes: list[NodeState], timeout: float = 10.0) -> None:
-    for n in nodes:
+    """SIGTERM the nodes that are still ours, then SIGKILL whatever is left after ``timeout``."""
+    ours = [n for n in nodes if _node_alive(n)]
+    for n in ours:
         try:
             os.kill(n.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    for n in nodes:
+    for n in ours:
         while _pid_alive(n.pid) and time.monotonic() < deadline:
             try:  # reap if it is our child
                 os.waitpid(n.pid, os.WNOHANG)
             except ChildProcessError:
                 pass
             time.sleep(0.05)
-        if _pid_alive(n.pid):
+        if _node_alive(n):
             try:
                 os.kill(n.pid, signal.SIGKILL)
             except ProcessLookupError:

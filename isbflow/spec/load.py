@@ -1,16 +1,24 @@
 """Load spec files and validate them once, with errors located by file and field.
 
 ``load_specs(paths)`` reads one or more YAML files (each may hold several
-documents), builds the typed models and checks the rules that span documents
-(edges, cycles, names, ISB service references). Every problem becomes a
-:class:`SpecProblem` ``FILE: path.to.field: what is wrong``; if there is any,
+documents), builds the typed models and checks the rules that span fields and
+documents (edges, cycles, roles, duplicate names, ISB service references).
+Every problem becomes a :class:`SpecProblem`, printed as one line
+``FILE: path.to.field: what is wrong (line N)``; if there is any,
 :class:`SpecError` carries all of them, so a user fixes a file in one pass.
+
+Paths are relative to the document's ``spec`` (``vertices[2].partitions``);
+other top-level keys keep their name (``metadata.name``, ``kind``). The line
+number points into the file, which also tells documents of one file apart.
+The graph rules run on the raw document too, so a file with a field error and
+a dangling edge reports both.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,22 +26,32 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from isbflow.spec.models import InterStepBufferService, Pipeline
+from isbflow.spec.models import VERTEX_ROLES, InterStepBufferService, Pipeline
 
 KINDS: dict[str, type[BaseModel]] = {
     "Pipeline": Pipeline,
     "InterStepBufferService": InterStepBufferService,
 }
 
+Loc = tuple[str | int, ...]
+
 
 @dataclass(frozen=True)
 class SpecProblem:
+    """One problem: the file, the path in the document, what is wrong, and where."""
+
     file: str
     path: str
     message: str
+    line: int | None = None
+    column: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.file}: {self.path}: {self.message}" if self.path else f"{self.file}: {self.message}"
+        where = f"{self.path}: " if self.path else ""
+        at = ""
+        if self.line is not None:
+            at = f" (line {self.line}" + (f", column {self.column}" if self.column else "") + ")"
+        return f"{self.file}: {where}{self.message}{at}"
 
 
 class SpecError(Exception):
@@ -63,7 +81,93 @@ class Specs:
         return next(iter(self.pipelines.values()))
 
 
-def _loc_to_path(loc: Iterable[Any]) -> str:
+# ------------------------------------------------------------ reading YAML
+
+
+@dataclass
+class _Document:
+    """One YAML document of a file: its data and its node tree (for line numbers)."""
+
+    file: str
+    data: Any
+    node: yaml.Node
+
+    def problem(self, loc: Loc, message: str) -> SpecProblem:
+        return SpecProblem(self.file, _path(loc), message, _line_of(self.node, loc))
+
+
+def _read_documents(path: Path, shown: str) -> tuple[list[_Document], list[SpecProblem]]:
+    """The documents of one file, and duplicate-key problems. Raises SpecError if unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([SpecProblem(shown, "", "file not found")]) from None
+    except UnicodeDecodeError:
+        raise SpecError([SpecProblem(shown, "", "not a UTF-8 text file")]) from None
+    except OSError as e:
+        raise SpecError([SpecProblem(shown, "", f"cannot read: {e.strerror}")]) from None
+    docs: list[_Document] = []
+    problems: list[SpecProblem] = []
+    loader = yaml.SafeLoader(text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            doc = _Document(shown, loader.construct_document(node), node)
+            problems.extend(SpecProblem(shown, _path(loc), msg, line)
+                            for loc, msg, line in _duplicate_keys(node, ()))
+            if doc.data is not None:
+                docs.append(doc)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError([SpecProblem(shown, "", f"invalid YAML: {problem}",
+                                     mark.line + 1 if mark else None,
+                                     mark.column + 1 if mark else None)]) from None
+    finally:
+        loader.dispose()
+    return docs, problems
+
+
+def _duplicate_keys(node: yaml.Node, loc: Loc) -> Iterator[tuple[Loc, str, int]]:
+    """PyYAML keeps the last of two equal keys silently; a spec must not."""
+    if isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            if key is not None and k.tag != "tag:yaml.org,2002:merge":
+                if key in first:
+                    yield (loc + (key,), f"duplicate key {key!r} (first on line {first[key]})",
+                           k.start_mark.line + 1)
+                else:
+                    first[key] = k.start_mark.line + 1
+            yield from _duplicate_keys(v, loc + (key if key is not None else "?",))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _duplicate_keys(item, loc + (i,))
+
+
+def _line_of(node: yaml.Node, loc: Loc) -> int:
+    """The line of the deepest node of ``loc`` that exists (a missing field: its parent)."""
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            match = next(((k, v) for k, v in node.value
+                          if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _path(loc: Loc) -> str:
+    """``("spec", "vertices", 2, "partitions")`` -> ``vertices[2].partitions``."""
+    if len(loc) > 1 and loc[0] == "spec":
+        loc = loc[1:]
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -73,19 +177,39 @@ def _loc_to_path(loc: Iterable[Any]) -> str:
     return out
 
 
-def _describe(err: dict[str, Any], model: type[BaseModel]) -> tuple[str, str]:
-    loc = list(err["loc"])
-    # pydantic puts the failing union/validator function name into loc for some
-    # error types; drop tokens that are not field names ("function-after[...]").
-    loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function")))]
-    if loc and loc[0] == "spec":
-        loc = loc[1:]
-    kind = err["type"]
-    msg = err["msg"]
+# ------------------------------------------------------- field validation
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_TYPE_RULES = {
+    "int": "must be an integer",
+    "float": "must be a number",
+    "string": "must be a string",
+    "bool": "must be true or false",
+    "list": "must be a list",
+    "dict": "must be a mapping",
+    "model": "must be a mapping",
+    "model_attributes": "must be a mapping",
+}
+
+
+def _describe(err: dict[str, Any], model: type[BaseModel]) -> tuple[Loc, str]:
+    """A pydantic error as (location in the document, message worded for the user)."""
+    # pydantic puts the failing union member / validator into loc for some
+    # error types ("function-after[...]", "str"); keep only field names.
+    loc: Loc = tuple(p for p in err["loc"]
+                     if isinstance(p, int) or ("[" not in p and not p.startswith("function")))
+    kind: str = err["type"]
+    msg: str = err["msg"]
+    got = f", got {_shown(err.get('input'))}"
     if kind == "extra_forbidden":
         name = str(loc[-1]) if loc else "?"
         msg = f"unknown field {name!r}"
-        known = _known_fields(model, list(err["loc"])[:-1])
+        known = _known_fields(model, loc[:-1])
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             msg += f" (did you mean {close[0]!r}?)"
@@ -93,22 +217,37 @@ def _describe(err: dict[str, Any], model: type[BaseModel]) -> tuple[str, str]:
             msg += f" (allowed: {', '.join(sorted(known))})"
     elif kind == "missing":
         msg = "required field is missing"
-    elif kind == "value_error":
-        msg = msg.removeprefix("Value error, ")
-    elif kind == "literal_error" or kind == "enum":
-        msg = f"{msg}, got {err.get('input')!r}"
-    elif kind.endswith("_type") or kind.endswith("_parsing"):
-        msg = f"{msg.lower()}, got {err.get('input')!r}"
+    elif kind in ("value_error", "assertion_error"):
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    elif kind in ("literal_error", "enum"):
+        expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+        msg = f"must be one of {', '.join(repr(e) for e in expected)}{got}"
+        hint = _suggest(err.get("input"), expected)
+        if hint:
+            msg += f" (did you mean {hint!r}?)"
     elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        ctx = err.get("ctx", {})
         op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
               "less_than": "<"}[kind]
-        bound = next(iter(ctx.values()), "?")
-        msg = f"must be {op} {bound}, got {err.get('input')!r}"
-    return _loc_to_path(loc), msg
+        bound = next(iter(err.get("ctx", {}).values()), "?")
+        msg = f"must be {op} {bound}{got}"
+    elif kind.removesuffix("_type").removesuffix("_parsing").removesuffix("_from_float") in _TYPE_RULES:
+        msg = _TYPE_RULES[kind.removesuffix("_type").removesuffix("_parsing").removesuffix("_from_float")] + got
+    else:
+        msg = msg[:1].lower() + msg[1:] + got
+    return loc, msg
 
 
-def _known_fields(model: type[BaseModel], loc: list[Any]) -> list[str]:
+def _suggest(value: Any, allowed: Sequence[str]) -> str | None:
+    if not isinstance(value, str):
+        return None
+    for a in allowed:
+        if a.lower() == value.lower():
+            return a
+    close = difflib.get_close_matches(value, list(allowed), n=1)
+    return close[0] if close else None
+
+
+def _known_fields(model: type[BaseModel], loc: Loc) -> list[str]:
     """Field names (by alias) allowed at ``loc`` inside ``model``, for suggestions."""
     current: Any = model
     for part in loc:
@@ -137,20 +276,7 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-def _read_documents(path: Path, shown: str) -> list[Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError([SpecProblem(shown, "", "file not found")]) from None
-    except OSError as e:
-        raise SpecError([SpecProblem(shown, "", f"cannot read: {e.strerror}")]) from None
-    try:
-        return [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise SpecError([SpecProblem(shown, where, f"invalid YAML: {problem}")]) from None
+# ------------------------------------------------------------------ loading
 
 
 def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
@@ -159,102 +285,182 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
         paths = [paths]
     specs = Specs()
     problems: list[SpecProblem] = []
-    origin: dict[str, tuple[str, str]] = {}  # "Kind/name" -> (file, doc prefix)
+    declared: dict[str, _Document] = {}  # "Kind/name" -> first document declaring it
+    pipelines: list[_Document] = []
     for p in paths:
-        shown = str(p)
         try:
-            docs = _read_documents(Path(p), shown)
+            docs, dup_problems = _read_documents(Path(p), str(p))
         except SpecError as e:
             problems.extend(e.problems)
             continue
+        problems.extend(dup_problems)
         if not docs:
-            problems.append(SpecProblem(shown, "", "no documents: expected a Pipeline or an InterStepBufferService"))
-        for i, doc in enumerate(docs):
-            prefix = f"[document {i + 1}] " if len(docs) > 1 else ""
-            if not isinstance(doc, dict):
-                problems.append(SpecProblem(shown, "", f"{prefix}expected a mapping with 'kind', got {type(doc).__name__}"))
+            problems.append(SpecProblem(str(p), "", "no documents: expected a Pipeline or an InterStepBufferService"))
+        for doc in docs:
+            obj = _validate_document(doc, problems)
+            data = doc.data if isinstance(doc.data, dict) else {}
+            kind, name = data.get("kind"), _raw_name(data)
+            if kind == "Pipeline":
+                pipelines.append(doc)
+            if kind not in KINDS or name is None:
                 continue
-            kind = doc.get("kind")
-            model = KINDS.get(kind) if isinstance(kind, str) else None
-            if model is None:
-                problems.append(SpecProblem(shown, "kind", f"{prefix}unknown kind {kind!r}: expected one of {', '.join(KINDS)}"))
+            key = f"{kind}/{name}"
+            if key in declared:
+                first = declared[key]
+                problems.append(doc.problem(("metadata", "name"), (
+                    f"duplicate {kind} name {name!r} (also in {first.file} line "
+                    f"{_line_of(first.node, ('metadata', 'name'))})")))
                 continue
-            try:
-                obj = model.model_validate(doc)
-            except ValidationError as e:
-                for err in e.errors():
-                    path, msg = _describe(err, model)
-                    problems.append(SpecProblem(shown, prefix + path, msg))
+            declared[key] = doc
+            if obj is None:
                 continue
-            key = f"{kind}/{obj.metadata.name}"
-            if key in origin:
-                problems.append(SpecProblem(shown, prefix + "metadata.name",
-                                            f"duplicate {kind} name {obj.metadata.name!r} (also in {origin[key][0]})"))
-                continue
-            origin[key] = (shown, prefix)
-            specs.files[key] = shown
+            specs.files[key] = doc.file
             if isinstance(obj, Pipeline):
                 specs.pipelines[obj.name] = obj
-            else:
+            elif isinstance(obj, InterStepBufferService):
                 specs.services[obj.name] = obj
     if "default" not in specs.services and not problems:
         # A pipeline that names no service gets an embedded one with defaults.
         specs.services["default"] = InterStepBufferService(kind="InterStepBufferService")
-    for pipeline in specs.pipelines.values():
-        file, prefix = origin[f"Pipeline/{pipeline.name}"]
-        problems.extend(SpecProblem(file, prefix + path, msg) for path, msg in check_pipeline(pipeline, specs))
+    # Services declared but invalid still count as declared: their own problems say what is wrong.
+    services = {k.split("/", 1)[1] for k in declared if k.startswith("InterStepBufferService/")} | {"default"}
+    for doc in pipelines:
+        spec = doc.data.get("spec")
+        if isinstance(spec, dict):
+            problems.extend(doc.problem(("spec",) + loc, msg) for loc, msg in check_graph(spec, services))
     if problems:
         raise SpecError(problems)
     return specs
 
 
-def check_pipeline(pipeline: Pipeline, specs: Specs) -> list[tuple[str, str]]:
-    """Rules across fields of one pipeline: names, edges, cycles, roles, references."""
-    out: list[tuple[str, str]] = []
-    spec = pipeline.spec
-    if spec.interStepBufferServiceName not in specs.services:
-        known = ", ".join(sorted(specs.services)) or "none"
-        out.append(("interStepBufferServiceName",
-                    f"unknown InterStepBufferService {spec.interStepBufferServiceName!r} (declared: {known})"))
-    seen: dict[str, int] = {}
-    for i, v in enumerate(spec.vertices):
-        if v.name in seen:
-            out.append((f"vertices[{i}].name", f"duplicate vertex name {v.name!r} (also vertices[{seen[v.name]}])"))
+def _raw_name(data: dict) -> str | None:
+    meta = data.get("metadata")
+    if data.get("kind") == "InterStepBufferService" and meta is None:
+        return "default"
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _validate_document(doc: _Document, problems: list[SpecProblem]) -> BaseModel | None:
+    """The typed model of one document, or None after adding its problems."""
+    if not isinstance(doc.data, dict):
+        problems.append(doc.problem((), f"expected a mapping with 'kind', got {type(doc.data).__name__}"))
+        return None
+    kind = doc.data.get("kind")
+    model = KINDS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        if kind is None:
+            msg = f"'kind' is missing: expected one of {', '.join(KINDS)}"
         else:
-            seen[v.name] = i
-    if not any(v.source for v in spec.vertices):
-        out.append(("vertices", "a pipeline needs at least one source vertex"))
-    if not any(v.sink for v in spec.vertices):
-        out.append(("vertices", "a pipeline needs at least one sink vertex"))
-    edge_keys: set[tuple[str, str]] = set()
-    for i, e in enumerate(spec.edges):
-        for end, attr in ((e.from_, "from"), (e.to, "to")):
-            if end not in seen:
+            msg = f"unknown kind {_shown(kind)}: expected one of {', '.join(KINDS)}"
+            hint = _suggest(kind, list(KINDS))
+            if hint:
+                msg += f" (did you mean {hint!r}?)"
+        problems.append(doc.problem(("kind",), msg))
+        return None
+    try:
+        # by_name=False: the spec uses the YAML names ('from', 'schema'), never 'from_'.
+        return model.model_validate(doc.data, by_alias=True, by_name=False)
+    except ValidationError as e:
+        for err in e.errors():
+            loc, msg = _describe(err, model)
+            problems.append(doc.problem(loc, msg))
+        return None
+
+
+# ------------------------------------------------------------- graph rules
+
+
+def check_pipeline(pipeline: Pipeline, specs: Specs) -> list[tuple[str, str]]:
+    """Graph rules of a typed pipeline as ``(path, message)`` pairs (see :func:`check_graph`)."""
+    spec = pipeline.spec.model_dump(by_alias=True)
+    return [(_path(loc), msg) for loc, msg in check_graph(spec, set(specs.services) | {"default"})]
+
+
+def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str]]:
+    """Rules across fields of one pipeline's ``spec``: ISB service reference,
+    vertex names, roles against edges, dangling edges and vertices, cycles,
+    quality sinks.
+
+    Works on the raw mapping, so it also runs when some fields failed their
+    own validation; what is malformed here is skipped (its field error says
+    why) rather than reported twice.
+    """
+    out: list[tuple[Loc, str]] = []
+    isb = spec.get("interStepBufferServiceName", "default")
+    if isinstance(isb, str) and isb not in services:
+        out.append((("interStepBufferServiceName",),
+                    f"unknown InterStepBufferService {isb!r} (declared: {', '.join(sorted(services))})"))
+    raw_vertices = spec.get("vertices")
+    raw_vertices = raw_vertices if isinstance(raw_vertices, list) else []
+    seen: dict[str, int] = {}
+    roles: dict[str, str | None] = {}  # None: not exactly one role (a field error says so)
+    complete = True  # every vertex has a usable name and role
+    for i, v in enumerate(raw_vertices):
+        name = v.get("name") if isinstance(v, dict) else None
+        if not isinstance(name, str):
+            complete = False
+            continue
+        if name in seen:
+            out.append((("vertices", i, "name"), f"duplicate vertex name {name!r} (also vertices[{seen[name]}])"))
+            continue
+        seen[name] = i
+        present = [r for r in VERTEX_ROLES if v.get(r) is not None]
+        roles[name] = present[0] if len(present) == 1 else None
+        complete = complete and roles[name] is not None
+    if complete and isinstance(spec.get("vertices"), list):
+        if "source" not in roles.values():
+            out.append((("vertices",), "a pipeline needs at least one source vertex"))
+        if "sink" not in roles.values():
+            out.append((("vertices",), "a pipeline needs at least one sink vertex"))
+    raw_edges = spec.get("edges", [])
+    raw_edges = raw_edges if isinstance(raw_edges, list) else []
+    edges: list[tuple[str, str]] = []
+    resolved = complete
+    vertices_known = isinstance(spec.get("vertices"), list)  # else its field error says why
+    for i, e in enumerate(raw_edges):
+        a, b = (e.get("from"), e.get("to")) if isinstance(e, dict) else (None, None)
+        if not (isinstance(a, str) and isinstance(b, str)):
+            resolved = False
+            continue
+        for end, attr in ((a, "from"), (b, "to")):
+            if end not in seen and vertices_known:
+                resolved = False
                 close = difflib.get_close_matches(end, list(seen), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                out.append((f"edges[{i}].{attr}", f"no vertex named {end!r}{hint}"))
-        if e.from_ in seen and spec.vertices[seen[e.from_]].sink:
-            out.append((f"edges[{i}].from", f"{e.from_!r} is a sink: a sink has no outputs"))
-        if e.to in seen and spec.vertices[seen[e.to]].source:
-            out.append((f"edges[{i}].to", f"{e.to!r} is a source: a source has no inputs"))
-        if e.from_ == e.to:
-            out.append((f"edges[{i}]", f"edge from {e.from_!r} to itself"))
-        if (e.from_, e.to) in edge_keys:
-            out.append((f"edges[{i}]", f"duplicate edge {e.from_!r} -> {e.to!r}"))
-        edge_keys.add((e.from_, e.to))
-    for name, i in seen.items():
-        v = spec.vertices[i]
-        if v.role != "source" and not any(e.to == name for e in spec.edges):
-            out.append((f"vertices[{i}]", f"{name!r} has no input edge"))
-        if v.role != "sink" and not any(e.from_ == name for e in spec.edges):
-            out.append((f"vertices[{i}]", f"{name!r} has no output edge"))
-    cycle = _find_cycle([(e.from_, e.to) for e in spec.edges if e.from_ in seen and e.to in seen])
+                out.append((("edges", i, attr), f"no vertex named {end!r}{hint}"))
+        if roles.get(a) == "sink":
+            out.append((("edges", i, "from"), f"{a!r} is a sink: a sink has no outputs"))
+            continue
+        if roles.get(b) == "source":
+            out.append((("edges", i, "to"), f"{b!r} is a source: a source has no inputs"))
+            continue
+        if a == b:
+            out.append((("edges", i), f"edge from {a!r} to itself"))
+        elif (a, b) in edges:
+            out.append((("edges", i), f"duplicate edge {a!r} -> {b!r}"))
+        edges.append((a, b))
+    if resolved:  # a dangling vertex is only worth a line when every edge was understood
+        for name, i in seen.items():
+            lacks = []
+            if roles[name] != "source" and not any(b == name for _, b in edges):
+                lacks.append("input")
+            if roles[name] != "sink" and not any(a == name for a, _ in edges):
+                lacks.append("output")
+            if lacks:
+                out.append((("vertices", i), f"{name!r} has no {' and no '.join(lacks)} edge: "
+                                             "connect it in 'edges' or remove it"))
+    cycle = _find_cycle([(a, b) for a, b in edges if a in seen and b in seen and a != b])
     if cycle:
-        out.append(("edges", "cycle: " + " -> ".join(cycle)))
-    sinks = {v.name for v in spec.vertices if v.sink}
-    for i, q in enumerate(spec.quality):
-        if q.sink not in sinks:
-            out.append((f"quality[{i}].sink", f"no sink vertex named {q.sink!r} (sinks: {', '.join(sorted(sinks))})"))
+        out.append((("edges",), "cycle: " + " -> ".join(cycle)))
+    raw_quality = spec.get("quality", [])
+    if complete and isinstance(raw_quality, list):
+        sinks = sorted(n for n, r in roles.items() if r == "sink")
+        for i, q in enumerate(raw_quality):
+            sink = q.get("sink") if isinstance(q, dict) else None
+            if isinstance(sink, str) and sink not in sinks:
+                out.append((("quality", i, "sink"),
+                            f"no sink vertex named {sink!r} (sinks: {', '.join(sinks) or 'none'})"))
     return out
 
 

@@ -71,7 +71,11 @@ def parse_size(value: Any) -> int:
     """``"64MiB"`` -> 67108864; ``-1`` means unlimited where the field allows it."""
     if isinstance(value, bool):
         raise ValueError("must be a size in bytes such as 1048576 or '1MiB'")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int):
+        if value < -1:
+            raise ValueError(f"must be a size >= 0 (or -1 for unlimited), got {value!r}")
         return value
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
@@ -102,6 +106,17 @@ def check_name(value: str) -> str:
 
 
 Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v)]
+
+
+def _one_of_message(what: str, allowed: tuple[str, ...], found: list[str]) -> str:
+    need = f"{what} needs exactly one of: {', '.join(allowed)}"
+    if not found:
+        return f"{need} (found none)"
+    return f"{need} (found {' and '.join(repr(f) for f in found)})"
+
+
+VERTEX_ROLES = ("source", "udf", "sink")
+SOURCE_KINDS = ("jetstream", "files")
 
 
 class Metadata(_Model):
@@ -235,7 +250,7 @@ class Limits(_Model):
     @classmethod
     def _usage(cls, v: float | None) -> float | None:
         if v is not None and not (0 < v <= 1):
-            raise ValueError("must be in (0, 1], e.g. 0.8 for 80%")
+            raise ValueError(f"must be in (0, 1], e.g. 0.8 for 80%, got {v!r}")
         return v
 
 
@@ -271,9 +286,9 @@ class Source(_Model):
 
     @model_validator(mode="after")
     def _one_kind(self) -> Source:
-        kinds = [k for k in ("jetstream", "files") if getattr(self, k) is not None]
+        kinds = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
-            raise ValueError("a source needs exactly one of: jetstream, files")
+            raise ValueError(_one_of_message("a source", SOURCE_KINDS, kinds))
         return self
 
 
@@ -321,14 +336,14 @@ class Vertex(_Model):
     @classmethod
     def _partitions(cls, v: int) -> int:
         if v < 1:
-            raise ValueError("must be >= 1")
+            raise ValueError(f"must be >= 1, got {v}")
         return v
 
     @model_validator(mode="after")
     def _one_role(self) -> Vertex:
-        roles = [r for r in ("source", "udf", "sink") if getattr(self, r) is not None]
+        roles = [r for r in VERTEX_ROLES if getattr(self, r) is not None]
         if len(roles) != 1:
-            raise ValueError("a vertex needs exactly one of: source, udf, sink")
+            raise ValueError(_one_of_message("a vertex", VERTEX_ROLES, roles))
         return self
 
     @property

@@ -1,0 +1,244 @@
+"""The embedded ISB service through its CLI: ``isbflow nats up|status|down``.
+
+Every test runs the real command in a subprocess with its own ``--data-dir``;
+the fixture runs ``nats down`` at teardown and then kills, by PID, any node the
+state file named that is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from nats.js.api import StreamConfig
+
+from isbflow.isb.connect import IsbUnreachable, connect, settings_from_url
+from isbflow.isb.server import HOST, free_port, nats_server_binary, read_state
+from tests.conftest import ROOT
+
+ISBFLOW = str(ROOT / ".venv" / "bin" / "isbflow")
+
+
+def nats_cli(*args: str, data_dir: Path, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([ISBFLOW, "nats", *args, "--data-dir", str(data_dir)],
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """A data dir for the CLI; whatever it still runs is stopped at teardown, by PID."""
+    d = tmp_path / "home"
+    try:
+        yield d
+    finally:
+        state = read_state(d)
+        subprocess.run([ISBFLOW, "nats", "down", "--data-dir", str(d)], capture_output=True, timeout=60)
+        for n in state.nodes if state else []:
+            if _pid_alive(n.pid):
+                os.kill(n.pid, signal.SIGKILL)
+
+
+def _up(data_dir: Path, *args: str) -> dict:
+    r = nats_cli("up", "--json", *args, data_dir=data_dir)
+    return json.loads(r.stdout)
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state owned by ``pids`` (from /proc)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A = LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            if width == 8:
+                addr = ".".join(str(int(addr_hex[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                addr = "ipv6:" + addr_hex
+            out.append((addr, int(port_hex, 16)))
+    return out
+
+
+async def _publish_and_count(url: str, stream: str, replicas: int = 1) -> int:
+    nc = await connect(settings_from_url(url))
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"], num_replicas=replicas))
+        for i in range(3):
+            ack = await js.publish(f"{stream}.x", f"m{i}".encode())
+            assert ack.stream == stream
+        return (await js.stream_info(stream)).state.messages
+    finally:
+        await nc.close()
+
+
+def test_single_node_lifecycle(data_dir):
+    up = _up(data_dir)
+    assert len(up["nodes"]) == 1 and up["urls"][0].startswith("nats://isbflow:")
+
+    r = nats_cli("status", "--json", data_dir=data_dir)
+    status = json.loads(r.stdout)
+    assert status["running"] is True and status["alive"] == [True]
+    url = status["urls"][0]
+    password = (data_dir / "nats" / "password").read_text().strip()
+    assert url == f"nats://isbflow:{password}@{HOST}:{status['nodes'][0]['client_port']}"
+
+    # the printed URL works with any client, credentials included
+    assert asyncio.run(_publish_and_count(url, "lifecycle")) == 3
+
+    # anonymous clients are refused, with a message that says why
+    anonymous = f"nats://{HOST}:{status['nodes'][0]['client_port']}"
+    with pytest.raises(IsbUnreachable, match="authorization"):
+        asyncio.run(connect(settings_from_url(anonymous)))
+
+    # secrets are owner-only; the state file holds no password
+    for name in ("password", "n1.conf", "state.json"):
+        mode = stat.S_IMODE((data_dir / "nats" / name).stat().st_mode)
+        assert mode == 0o600, (name, oct(mode))
+    assert stat.S_IMODE((data_dir / "nats").stat().st_mode) == 0o700
+    assert password not in (data_dir / "nats" / "state.json").read_text()
+
+    # running 'up' again reuses the live server
+    again = _up(data_dir)
+    assert [n["pid"] for n in again["nodes"]] == [n["pid"] for n in up["nodes"]]
+
+    pids = {n["pid"] for n in up["nodes"]}
+    r = nats_cli("down", "--json", data_dir=data_dir)
+    assert set(json.loads(r.stdout)["stopped"]) == pids
+    assert not any(_pid_alive(p) for p in pids)
+    r = nats_cli("status", data_dir=data_dir, check=False)
+    assert r.returncode == 1
+
+    # a restart keeps the data and the URLs (same ports when free, same password)
+    up2 = _up(data_dir)
+    assert up2["urls"] == up["urls"]
+    assert asyncio.run(_stream_messages(up2["urls"][0], "lifecycle")) == 3
+
+
+async def _stream_messages(url: str, stream: str) -> int:
+    nc = await connect(settings_from_url(url))
+    try:
+        return (await nc.jetstream().stream_info(stream)).state.messages
+    finally:
+        await nc.close()
+
+
+def test_cluster_of_three(data_dir, tmp_path):
+    up = _up(data_dir, "--cluster", "3")
+    assert len(up["nodes"]) == 3 and len(up["urls"]) == 3
+    url = ",".join(up["urls"])
+
+    async def r3() -> tuple[int, list]:
+        count = await _publish_and_count(url, "r3", replicas=3)
+        nc = await connect(settings_from_url(url))
+        try:
+            js = nc.jetstream()
+            deadline = time.monotonic() + 30
+            while True:
+                info = await js.stream_info("r3")
+                peers = info.cluster.replicas or []
+                if sum(1 for p in peers if p.current) == 2 or time.monotonic() > deadline:
+                    return count, peers
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    count, peers = asyncio.run(r3())
+    assert count == 3
+    assert len(peers) == 2 and all(p.current for p in peers), peers
+
+    # routes need their own credentials, not the client's
+    conf = (data_dir / "nats" / "n1.conf").read_text()
+    route_pw = (data_dir / "nats" / "route-password").read_text().strip()
+    client_pw = (data_dir / "nats" / "password").read_text().strip()
+    assert route_pw != client_pw
+    cluster_block = conf[conf.index("cluster {"):]
+    assert f'authorization {{ user: "route", password: "{route_pw}"' in cluster_block
+    assert f"nats-route://route:{route_pw}@{HOST}:" in cluster_block
+    assert stat.S_IMODE((data_dir / "nats" / "route-password").stat().st_mode) == 0o600
+
+
+    # everything listens on loopback only: client, monitoring and route ports
+    pids = {n["pid"] for n in up["nodes"]}
+    listening = _listening(pids)
+    expected = {p for n in up["nodes"] for p in (n["client_port"], n["http_port"], n["cluster_port"])}
+    assert {port for _, port in listening} == expected
+    assert {addr for addr, _ in listening} == {"127.0.0.1"}
+
+    # a server that tries to join without the route credentials is turned away
+    _rogue_route_is_refused(up["nodes"][0], tmp_path)
+
+
+def _rogue_route_is_refused(n1: dict, tmp_path: Path) -> None:
+    conf = tmp_path / "rogue.conf"
+    conf.write_text(
+        f"server_name: rogue\nlisten: {HOST}:{free_port()}\n"
+        f"cluster {{ name: isbflow, listen: {HOST}:{free_port()}, "
+        f'routes: ["nats-route://{HOST}:{n1["cluster_port"]}"] }}\n'
+    )
+    log = tmp_path / "rogue.log"
+    with open(log, "wb") as out:
+        rogue = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        n1_log = Path(n1["log"])
+        deadline = time.monotonic() + 20
+        refused = "Router connection closed: Authentication Failure"
+        while refused not in n1_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert refused in n1_log.read_text(), n1_log.read_text()[-2000:]
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{HOST}:{n1['http_port']}/routez", timeout=5) as r:
+            routes = json.loads(r.read())["routes"]
+        assert {rt.get("remote_name") for rt in routes} <= {"n2", "n3"}
+    finally:
+        rogue.terminate()
+        rogue.wait(timeout=10)
+
+
+def test_status_when_nothing_runs(tmp_path):
+    r = nats_cli("status", data_dir=tmp_path, check=False)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no embedded nats-server" in lines[0] and "isbflow nats up" in lines[0]
+    r = nats_cli("down", data_dir=tmp_path)
+    assert "nothing to stop" in r.stdout
+
+
+def test_cluster_of_two_is_refused(tmp_path):
+    r = nats_cli("up", "--cluster", "2", data_dir=tmp_path, check=False)
+    assert r.returncode == 2
+    assert "--cluster 2" in r.stderr and "majority" in r.stderr
+    assert not (tmp_path / "nats" / "state.json").exists()
