@@ -306,3 +306,19 @@ def test_a_source_stream_named_in_the_spec_is_created_but_never_changed(nats_ser
     assert not [d for d in asyncio.run(provision.diff(nats_server.settings, specs)) if d.resource == "events"]
     assert "events" not in asyncio.run(provision.delete(nats_server.settings, specs))
     assert infos(nats_server.settings, specs)["events"] is not None
+
+
+def test_interest_buffers_keep_messages_until_released(nats_server, tmp_path):
+    """Interest retention stores nothing without a consumer: apply adds the hold consumer,
+    so published frames stay readable until release() purges them after the commit."""
+    from isbflow.connector.release import release
+
+    specs = spec(tmp_path, retention="Interest")
+    apply(nats_server.settings, specs)
+    ep = naming.edge_partitions(specs.only_pipeline())[0]
+    publish(nats_server.settings, ep.subject, 5)
+    assert infos(nats_server.settings, specs)[ep.stream].state.messages == 5
+    assert apply(nats_server.settings, specs).changed is False  # hold consumer re-ensured, no change
+    purged = asyncio.run(release(nats_server.settings, ep.stream, 3, "Interest"))
+    assert purged == 3
+    assert infos(nats_server.settings, specs)[ep.stream].state.messages == 2

@@ -1,0 +1,13 @@
+"""The Spark connector for JetStream: ``format("jetstream")`` reads and writes buffers.
+
+- :mod:`isbflow.connector.reader`: :class:`JetStreamDataSource` (short name
+  ``jetstream``), its streaming and batch readers;
+- :mod:`isbflow.connector.options`: the options, and NatsSettings as an option;
+- :mod:`isbflow.connector.offsets`: the offset JSON and the read-limit split;
+- :mod:`isbflow.connector.fastread`: exact range reads (batched direct get);
+- :mod:`isbflow.connector.release`: freeing buffer space after the downstream commit;
+- :mod:`isbflow.connector.errors`: ``BufferLost`` and the other user-facing errors.
+
+Nothing is imported here, so ``isbflow.connector.release`` and ``.errors`` can
+be used without loading pyspark.
+"""

@@ -1,0 +1,103 @@
+"""Offsets of the ``jetstream`` source: per stream, its incarnation and the last sequence read.
+
+The JSON Spark keeps in the checkpoint's offset log (plain JSON, readable by a
+person and by the recovery ledger)::
+
+    {"<stream>": {"inc": "<stream created time>", "seq": <last sequence included>}}
+
+``inc`` (the stream's creation time, see
+:class:`isbflow.connector.fastread.StreamState`) tells incarnations apart: a
+deleted and recreated stream restarts its sequences at 1, so a sequence means
+nothing without it.
+
+Two optional keys appear on a stream only in the offset that moved it past a
+buffer loss (``onBufferLoss=replay``):
+
+- ``"from": <seq>``: that batch reads this stream's ``(from, seq]`` in ``inc``,
+  not ``(start.seq, seq]`` (the start offset may name an older incarnation);
+- ``"lost": {"first": a, "last": b or null, "reason": "..."}``: what was lost,
+  kept in the checkpoint as a record.
+
+:func:`batch_range` is the one rule turning a (start, end) pair into the
+sequences a batch reads; :func:`fair_share` splits a read limit across streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StreamOffset:
+    inc: str
+    seq: int
+    #: set only on the offset that moved past a loss: the batch reads (rebased_from, seq]
+    rebased_from: int | None = None
+    #: set only with rebased_from: {"first", "last", "reason"} of what was lost
+    lost: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"inc": self.inc, "seq": self.seq}
+        if self.rebased_from is not None:
+            d["from"] = self.rebased_from
+        if self.lost is not None:
+            d["lost"] = dict(self.lost)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StreamOffset:
+        return cls(inc=str(d["inc"]), seq=int(d["seq"]),
+                   rebased_from=int(d["from"]) if d.get("from") is not None else None,
+                   lost=d.get("lost"))
+
+
+Offsets = dict[str, StreamOffset]
+
+
+def to_json(offsets: Mapping[str, StreamOffset]) -> dict:
+    return {s: o.to_json() for s, o in offsets.items()}
+
+
+def from_json(d: Mapping[str, Any] | None) -> Offsets:
+    return {s: StreamOffset.from_json(o) for s, o in (d or {}).items()}
+
+
+def batch_range(start: StreamOffset | None, end: StreamOffset) -> tuple[int, int]:
+    """The sequences ``(first, last)`` of ``end.inc`` a batch from ``start`` to ``end`` reads.
+
+    Empty (``first > last``) when the stream did not move. A rebased end reads
+    from its ``from``; otherwise from after the start's sequence, which must be
+    of the same incarnation (a change of incarnation always comes with ``from``).
+    """
+    if start == end:
+        return end.seq + 1, end.seq
+    if end.rebased_from is not None:
+        return end.rebased_from + 1, end.seq
+    if start is None or start.inc != end.inc:
+        return end.seq + 1, end.seq
+    return start.seq + 1, end.seq
+
+
+def fair_share(available: Mapping[str, int], cap: int) -> dict[str, int]:
+    """Split ``cap`` units across streams, each getting at most what it has available.
+
+    Water-filling in the mapping's order: every stream with data gets an equal
+    share, and what a short stream leaves is shared again among the others; the
+    total is ``min(cap, sum(available))``. Deterministic.
+    """
+    take = dict.fromkeys(available, 0)
+    active = [s for s, n in available.items() if n > 0]
+    remaining = max(0, cap)
+    while remaining > 0 and active:
+        share = max(1, remaining // len(active))
+        for s in list(active):
+            give = min(share, available[s] - take[s], remaining)
+            take[s] += give
+            remaining -= give
+            if take[s] >= available[s]:
+                active.remove(s)
+            if remaining == 0:
+                break
+    return take

@@ -1,0 +1,147 @@
+"""Options of ``format("jetstream")``, parsed and checked once, and NatsSettings as an option.
+
+Spark passes every option as a string. :class:`ReaderOptions` turns them into
+typed values (or :class:`~isbflow.connector.errors.ConnectorOptionError` naming
+the option); readers and writers never look at the raw mapping again.
+
+Connection settings travel as the ``settings`` option, the JSON of
+:class:`isbflow.isb.connect.NatsSettings` (:func:`settings_to_json` /
+:func:`settings_from_json`). Without it the settings are resolved where the
+source is created (``NATS_URL``, or the embedded server's state file, see
+:func:`isbflow.isb.connect.resolve_settings`). The JSON holds any password or
+token in clear: Spark redacts option *keys* matching
+``spark.redaction.regex`` (``secret|password|token``…), which ``settings`` is
+not, so prefer a creds file or token file path over inline secrets on shared
+clusters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from isbflow.connector.errors import ConnectorOptionError
+from isbflow.isb.connect import NatsSettings, resolve_settings
+from isbflow.spec.models import DEFAULT_LIMITS
+
+Mode = Literal["frames", "events"]
+OnLoss = Literal["fail", "replay"]
+
+DEFAULT_FRAME_ROWS = 10_000
+#: Messages per Spark task (input partition) unless ``maxMessagesPerPartition`` says otherwise.
+DEFAULT_PARTITION_MSGS: dict[str, int] = {"frames": 100, "events": 50_000}
+
+
+def settings_to_json(settings: NatsSettings) -> str:
+    """The ``settings`` option value for ``settings``."""
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def settings_from_json(text: str) -> NatsSettings:
+    """Inverse of :func:`settings_to_json`."""
+    try:
+        d = json.loads(text)
+        known = {f.name for f in dataclasses.fields(NatsSettings)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown)}")
+        d["servers"] = tuple(d["servers"])
+        return NatsSettings(**d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConnectorOptionError(
+            f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
+            "isbflow.connector.options.settings_to_json") from None
+
+
+def _int(options: Mapping[str, str], key: str, default: int, minimum: int = 1) -> int:
+    raw = options.get(key)
+    if raw is None or str(raw).strip() == "":
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ConnectorOptionError(f"option '{key}': expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConnectorOptionError(f"option '{key}': must be >= {minimum}, got {value}")
+    return value
+
+
+def _choice(options: Mapping[str, str], key: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = str(options.get(key) or default).strip().lower()
+    if raw not in allowed:
+        raise ConnectorOptionError(f"option '{key}': expected one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
+def _offsets_option(options: Mapping[str, str], key: str, words: tuple[str, ...]) -> str | dict | None:
+    raw = options.get(key)
+    if raw is None or str(raw).strip() == "":
+        return None
+    text = str(raw).strip()
+    if text.lower() in words:
+        return text.lower()
+    try:
+        d = json.loads(text)
+        if not isinstance(d, dict) or not all(isinstance(v, dict) and "seq" in v for v in d.values()):
+            raise ValueError("expected {\"<stream>\": {\"inc\": ..., \"seq\": N}, ...}")
+        return d
+    except ValueError as e:
+        raise ConnectorOptionError(
+            f"option '{key}': expected {' or '.join(repr(w) for w in words)} or offsets JSON ({e})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Typed reader options; see :mod:`isbflow.connector.reader` for their meaning."""
+
+    streams: tuple[str, ...]
+    mode: Mode
+    settings: NatsSettings
+    read_max_rows: int
+    frame_rows: int
+    source_name: str
+    on_buffer_loss: OnLoss
+    #: "earliest" | "latest" | offsets JSON (dict) | None (= earliest)
+    starting_offsets: str | dict | None
+    #: batch reads only: "latest" | offsets JSON | None (= latest)
+    ending_offsets: str | dict | None
+    partition_msgs: int
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
+        streams = tuple(s.strip() for s in str(options.get("streams") or "").split(",") if s.strip())
+        if not streams:
+            raise ConnectorOptionError("option 'streams' is required: a comma-separated list of "
+                                       "stream names (the buffers to read)")
+        if len(set(streams)) != len(streams):
+            raise ConnectorOptionError(f"option 'streams' names a stream twice: {','.join(streams)}")
+        mode = _choice(options, "mode", ("frames", "events"), "frames")
+        source_name = str(options.get("sourceName") or "").strip()
+        if mode == "events" and not source_name:
+            raise ConnectorOptionError("option 'sourceName' is required with mode=events: it "
+                                       "prefixes every record's _isb_id (<sourceName>/<partition>/<seq>)")
+        raw_settings = options.get("settings")
+        settings = settings_from_json(raw_settings) if raw_settings else resolve_settings()
+        return cls(
+            streams=streams,
+            mode=mode,  # type: ignore[arg-type]
+            settings=settings,
+            read_max_rows=_int(options, "readMaxRows", DEFAULT_LIMITS.readBatchSize or 100_000),
+            frame_rows=_int(options, "frameRows", DEFAULT_FRAME_ROWS),
+            source_name=source_name,
+            on_buffer_loss=_choice(options, "onBufferLoss", ("fail", "replay"), "fail"),  # type: ignore[arg-type]
+            starting_offsets=_offsets_option(options, "startingOffsets", ("earliest", "latest")),
+            ending_offsets=_offsets_option(options, "endingOffsets", ("latest",)),
+            partition_msgs=_int(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
+        )
+
+    def max_messages(self, max_rows: int) -> int:
+        """A row limit as a message limit: one event per message, ``frameRows`` rows per frame."""
+        if self.mode == "events":
+            return max_rows
+        return max(1, math.ceil(max_rows / self.frame_rows))

@@ -1,0 +1,452 @@
+"""The ``jetstream`` Spark data source: read inter-step buffers and JetStream event streams.
+
+Usage (``spark.dataSource.register(JetStreamDataSource)`` once per session)::
+
+    spark.readStream.format("jetstream")
+        .option("streams", "isb-logs-in-parse-0,isb-logs-in-parse-1")
+        .option("mode", "frames")                   # or "events"
+        .option("settings", settings_to_json(nats_settings))
+        .schema(upstream_schema)                    # frames mode only
+        .load()
+
+Options (strings, see :class:`isbflow.connector.options.ReaderOptions`):
+
+- ``streams``: the streams to read, one per partition; a stream's index in this
+  list is its partition number (in ``_isb_id``);
+- ``mode``: ``frames`` (internal edge: each message is an Arrow IPC frame of the
+  given schema, see :mod:`isbflow.isb.frames`) or ``events`` (external source:
+  each message is one event, schema :data:`EVENTS_SCHEMA`, the payload as
+  ``value`` for ``from_json`` and ids ``_isb_id = <sourceName>/<partition>/<seq>``);
+- ``settings``: NatsSettings JSON (default: resolved from the environment);
+- ``readMaxRows`` (default ``limits.readBatchSize``, 100000): the default read
+  limit; in frames mode converted to ``ceil(readMaxRows / frameRows)`` frames
+  (``frameRows``, default 10000, is the writer's max rows per frame);
+- ``startingOffsets``: ``earliest`` (default), ``latest`` or offsets JSON
+  (:mod:`isbflow.connector.offsets`), e.g. to rewind for recovery; used only by a
+  query without a checkpoint, like Kafka's;
+- ``onBufferLoss``: ``fail`` (default) or ``replay``;
+- ``maxMessagesPerPartition``: messages per Spark task (default 100 frames or
+  50000 events);
+- batch reads (``spark.read``) only: ``endingOffsets`` (``latest`` or JSON).
+
+Contract: the source is *replayable*. An offset range names exact sequences of
+exact stream incarnations, and ``read`` returns exactly those messages or fails,
+so reading a range twice gives the same rows; this is what makes Spark's
+checkpoint exactly-once. Nothing here acknowledges or deletes: space is released
+by :func:`isbflow.connector.release.release` after the *downstream* commit.
+
+Buffer loss (a stream missing, recreated, or whose first sequence moved past an
+offset not yet read) raises :class:`~isbflow.connector.errors.BufferLost`
+naming the stream and range with ``onBufferLoss=fail``; with ``replay`` the
+source logs it, records it in the offset (``lost``) and continues from what the
+stream holds now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+
+from isbflow.connector import offsets as off
+from isbflow.connector.errors import (
+    BufferLost,
+    BufferNotFound,
+    BufferReadError,
+    ConnectorOptionError,
+)
+from isbflow.connector.fastread import (
+    Message,
+    StreamState,
+    close_loop,
+    read_partition,
+    stream_state,
+)
+from isbflow.connector.offsets import StreamOffset
+from isbflow.connector.options import ReaderOptions
+from isbflow.isb import frames
+from isbflow.isb.connect import NatsSettings, connect
+
+log = logging.getLogger(__name__)
+
+#: The fixed schema of events mode. ``_isb_ts`` is the time JetStream stored the event.
+EVENTS_SCHEMA = StructType([
+    StructField("value", StringType()),
+    StructField("_isb_id", StringType()),
+    StructField("_isb_seq", LongType()),
+    StructField("_isb_stream", StringType()),
+    StructField("_isb_ts", TimestampType()),
+])
+#: Events per Arrow batch handed to Spark.
+EVENTS_BATCH_ROWS = 10_000
+
+
+class JetStreamPartition(InputPartition):
+    """One Spark task: sequences ``first..last`` of one incarnation of one stream (picklable)."""
+
+    def __init__(self, stream: str, index: int, inc: str, first: int, last: int):
+        super().__init__((stream, first, last))
+        self.stream, self.index, self.inc, self.first, self.last = stream, index, inc, first, last
+
+    def __repr__(self) -> str:
+        return f"JetStreamPartition({self.stream}#{self.index} {self.first}..{self.last} inc={self.inc})"
+
+
+class JetStreamDataSource(DataSource):
+    """``format("jetstream")``: created on the driver and pickled to executors (holds options only)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "jetstream"
+
+    def schema(self) -> StructType:
+        """Called only when the caller gave no ``.schema(...)``."""
+        if ReaderOptions.parse(self.options).mode == "events":
+            return EVENTS_SCHEMA
+        raise ConnectorOptionError(
+            "format('jetstream') in frames mode needs the frames' schema: pass the upstream "
+            "step's output schema with .schema(...), or set mode=events for one-event messages")
+
+    def streamReader(self, schema: StructType) -> JetStreamStreamReader:
+        return JetStreamStreamReader(ReaderOptions.parse(self.options), schema)
+
+    def reader(self, schema: StructType) -> JetStreamBatchReader:
+        return JetStreamBatchReader(ReaderOptions.parse(self.options), schema)
+
+
+class _Link:
+    """A driver-side connection: its own event loop and client, opened on first use."""
+
+    def __init__(self, settings: NatsSettings):
+        self.settings = settings
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._nc = None
+
+    def states(self, streams: Sequence[str]) -> dict[str, StreamState | None]:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        loop = self._loop
+        if self._nc is None or self._nc.is_closed:
+            self._nc = loop.run_until_complete(connect(self.settings, name="isbflow-source"))
+
+        async def all_states():
+            return await asyncio.gather(*(stream_state(self._nc, s) for s in streams))
+
+        return dict(zip(streams, loop.run_until_complete(all_states()), strict=True))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            if self._nc is not None and not self._nc.is_closed:
+                self._loop.run_until_complete(self._nc.close())
+            close_loop(self._loop)
+        self._loop = self._nc = None
+
+
+class _RangeReader:
+    """What the stream and batch readers share: options, planning tasks, reading them."""
+
+    def __init__(self, opts: ReaderOptions, schema: StructType):
+        self.opts = opts
+        self.schema = schema
+        self._link: _Link | None = None
+
+    # The reader is pickled to executors for read(): never ship the driver's connection.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_link": None}
+
+    def _states(self) -> dict[str, StreamState | None]:
+        if self._link is None:
+            self._link = _Link(self.opts.settings)
+        return self._link.states(self.opts.streams)
+
+    def stop(self) -> None:
+        """Driver, when the query ends: close the driver's connection."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def _start_offsets(self, states: dict[str, StreamState | None]) -> off.Offsets:
+        """Where a reader without a checkpoint starts (``startingOffsets``)."""
+        given = self.opts.starting_offsets
+        out: off.Offsets = {}
+        for s in self.opts.streams:
+            st = states[s]
+            if isinstance(given, dict) and s in given:
+                out[s] = StreamOffset.from_json({"inc": st.incarnation if st else "", **given[s]})
+                continue
+            if st is None:
+                raise BufferNotFound(s)
+            seq = st.last_seq if given == "latest" else st.first_seq - 1
+            out[s] = StreamOffset(st.incarnation, seq)
+        return out
+
+    def _plan(self, start: off.Offsets, end: off.Offsets) -> list[JetStreamPartition]:
+        """Driver: split each stream's batch range into tasks of at most ``partition_msgs`` messages."""
+        parts = []
+        step = self.opts.partition_msgs
+        for index, s in enumerate(self.opts.streams):
+            if s not in end:
+                continue
+            e = end[s]
+            first, last = off.batch_range(start.get(s), e)
+            for lo in range(first, last + 1, step):
+                parts.append(JetStreamPartition(s, index, e.inc, lo, min(lo + step - 1, last)))
+        return parts
+
+    def read(self, partition: JetStreamPartition) -> Iterator[pa.RecordBatch]:
+        """Executor: the records of exactly ``partition``'s sequences, as Arrow batches.
+
+        Stateless (connects, reads, disconnects). A missing sequence or a changed
+        incarnation raises :class:`BufferLost`; with ``onBufferLoss=replay`` what
+        is missing is logged and skipped (a recreated stream yields nothing: its
+        sequences belong to other records).
+        """
+        p = partition
+        replay = self.opts.on_buffer_loss == "replay"
+
+        def on_gap(a: int, b: int) -> None:
+            log.warning("%s; skipped (onBufferLoss=replay)", BufferLost(
+                p.stream, a, b, "messages missing inside the read range").summary)
+
+        def on_recreated(reason: str) -> None:
+            log.warning("%s; skipped (onBufferLoss=replay)",
+                        BufferLost(p.stream, p.first, p.last, reason).summary)
+
+        chunks = read_partition(self.opts.settings, p.stream, p.inc, p.first, p.last,
+                                on_gap=on_gap if replay else None,
+                                on_recreated=on_recreated if replay else None,
+                                prefer_consumer=self.opts.mode == "events")
+        target = _arrow_schema(self.schema)
+        if self.opts.mode == "frames":
+            for msgs in chunks:
+                for seq, data, headers, _ in msgs:
+                    yield from _frame_batches(p.stream, seq, data, headers, target)
+        else:
+            prefix = f"{self.opts.source_name}/{p.index}/"
+            for msgs in chunks:
+                for i in range(0, len(msgs), EVENTS_BATCH_ROWS):
+                    yield _events_batch(msgs[i:i + EVENTS_BATCH_ROWS], p.stream, prefix, target)
+
+
+class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """The streaming reader. ``initialOffset``, ``latestOffset``, ``partitions``,
+    ``prepareForTriggerAvailableNow``, ``commit`` and ``stop`` run on the driver;
+    ``read`` runs in executor tasks on a pickled copy."""
+
+    def __init__(self, opts: ReaderOptions, schema: StructType):
+        super().__init__(opts, schema)
+        #: availableNow: the end offsets frozen by prepareForTriggerAvailableNow
+        self._target: off.Offsets | None = None
+        #: stream -> (incarnation, last_seq) last observed, to name lost ranges
+        self._seen: dict[str, tuple[str, int]] = {}
+        #: losses already logged under onBufferLoss=replay while a stream is missing
+        self._reported: set[tuple[str, str]] = set()
+
+    def initialOffset(self) -> dict:
+        """Driver: each stream's first sequence - 1, or ``startingOffsets``."""
+        return off.to_json(self._start_offsets(self._states()))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.opts.read_max_rows)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Driver, once at the start of an availableNow run: freeze the end offsets."""
+        self._target = {s: StreamOffset(st.incarnation, st.last_seq)
+                        for s, st in self._states().items() if st is not None}
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """Driver: the end of the next batch: what the streams hold, capped by ``limit``.
+
+        Detects buffer loss against ``start`` (see module doc). ``ReadMaxRows(n)``
+        admits ``n`` events or ``ceil(n / frameRows)`` frames, shared fairly across
+        streams; ``ReadAllAvailable`` admits everything. Under availableNow never
+        past the frozen target. Returns ``start`` unchanged when there is nothing new.
+        """
+        begin = off.from_json(start)
+        states = self._states()
+        bases: dict[str, StreamOffset] = {}
+        available: dict[str, int] = {}
+        for s in self.opts.streams:
+            st, so = states[s], begin.get(s)
+            base = self._base(s, st, so)
+            if base is None:  # missing stream under replay: stay where we are
+                if so is not None:
+                    bases[s] = so
+                available[s] = 0
+                continue
+            bases[s] = base
+            hi = st.last_seq
+            t = self._target.get(s) if self._target is not None else None
+            if self._target is not None:
+                hi = min(hi, t.seq) if t is not None and t.inc == base.inc else base.seq
+            available[s] = max(0, hi - base.seq)
+            self._seen[s] = (st.incarnation, st.last_seq)
+        if isinstance(limit, ReadMaxRows):
+            take = off.fair_share(available, self.opts.max_messages(limit.max_rows))
+        elif isinstance(limit, ReadAllAvailable) or limit is None:
+            take = available
+        else:  # Spark only passes the default limit or ReadAllAvailable
+            take = available
+        end: off.Offsets = {}
+        for s, base in bases.items():
+            so = begin.get(s)
+            if take.get(s, 0) == 0 and base.rebased_from is None and so is not None:
+                end[s] = so  # unchanged, keys and all, so an idle source returns `start`
+            else:
+                end[s] = StreamOffset(base.inc, base.seq + take.get(s, 0), base.rebased_from, base.lost)
+        return off.to_json(end)
+
+    def _base(self, s: str, st: StreamState | None, so: StreamOffset | None) -> StreamOffset | None:
+        """Where stream ``s`` continues from: ``so``, or past a loss (replay) / raise (fail)."""
+        if so is None:  # a stream added to `streams` since the checkpoint: start at its beginning
+            if st is None:
+                raise BufferNotFound(s)
+            return StreamOffset(st.incarnation, st.first_seq - 1, rebased_from=st.first_seq - 1)
+        seen_inc, seen_last = self._seen.get(s, (None, None))
+        # the old incarnation's last sequence, when observed and beyond the offset
+        old_last = seen_last if seen_inc == so.inc and seen_last > so.seq else None
+        fully_read = seen_inc == so.inc and seen_last <= so.seq
+        if st is None:
+            loss = BufferLost(s, so.seq + 1, old_last, "the stream no longer exists")
+        elif st.incarnation != so.inc:
+            if fully_read:
+                # everything of the old incarnation was read: nothing lost, follow the new one
+                return StreamOffset(st.incarnation, st.first_seq - 1, rebased_from=st.first_seq - 1)
+            loss = BufferLost(s, so.seq + 1, old_last,
+                              f"the stream was recreated (incarnation {so.inc} is gone, new "
+                              f"incarnation {st.incarnation} starts at sequence {st.first_seq})")
+        elif st.first_seq > so.seq + 1:
+            loss = BufferLost(s, so.seq + 1, st.first_seq - 1,
+                              "the stream's first sequence moved past the offset not yet read "
+                              "(removed by its limits, a purge or its retention policy)")
+        else:
+            return so if so.rebased_from is None and so.lost is None else StreamOffset(so.inc, so.seq)
+        if self.opts.on_buffer_loss == "fail":
+            raise loss
+        if st is None:
+            if (s, so.inc) not in self._reported:
+                self._reported.add((s, so.inc))
+                log.warning("%s; waiting for the stream to be recreated (onBufferLoss=replay)",
+                            loss.summary)
+            return None
+        log.warning("%s; continuing from sequence %d of incarnation %s (onBufferLoss=replay)",
+                    loss.summary, st.first_seq, st.incarnation)
+        lost = {"first": loss.lost_first, "last": loss.lost_last, "reason": loss.reason}
+        return StreamOffset(st.incarnation, st.first_seq - 1, rebased_from=st.first_seq - 1, lost=lost)
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        """Driver: the tasks reading ``(start, end]``, each at most ``maxMessagesPerPartition``."""
+        return self._plan(off.from_json(start), off.from_json(end))
+
+    def commit(self, end: dict) -> None:
+        """Driver. Deliberately a no-op: not an acknowledgement.
+
+        Spark calls it a batch late (after the next ``latestOffset``), never for
+        the last batch of an availableNow run, and not again after a restart, and
+        it says nothing about the *downstream* commit. Buffer space is released by
+        :func:`isbflow.connector.release.release` after the downstream commit
+        (DESIGN.md, "The Spark connector")."""
+
+
+class JetStreamBatchReader(_RangeReader, DataSourceReader):
+    """``spark.read.format("jetstream")``: one fixed range, ``startingOffsets`` to
+    ``endingOffsets`` (default: earliest to latest), e.g. to replay or inspect a buffer."""
+
+    def __init__(self, opts: ReaderOptions, schema: StructType):
+        super().__init__(opts, schema)
+        states = self._states()
+        try:
+            start = self._start_offsets(states)
+            given = opts.ending_offsets
+            end: off.Offsets = {}
+            for s in opts.streams:
+                if isinstance(given, dict) and s in given:
+                    end[s] = StreamOffset.from_json({"inc": start[s].inc, **given[s]})
+                elif states[s] is None:
+                    raise BufferNotFound(s)
+                else:
+                    end[s] = StreamOffset(states[s].incarnation, states[s].last_seq)
+                if end[s].inc != start[s].inc:
+                    raise ConnectorOptionError(
+                        f"startingOffsets and endingOffsets name different incarnations of {s}")
+            self._parts = self._plan(start, end)
+        finally:
+            self.stop()
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return self._parts or [JetStreamPartition("", -1, "", 1, 0)]
+
+    def read(self, partition: JetStreamPartition) -> Iterator[pa.RecordBatch]:
+        if partition.index < 0:  # Spark asks for at least one partition
+            return iter(())
+        return super().read(partition)
+
+
+def _arrow_schema(schema: StructType) -> pa.Schema:
+    """The Arrow schema Spark checks each yielded batch against (UTC timestamps)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def _frame_batches(stream: str, seq: int, data: bytes, headers: dict,
+                   target: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The record batches of one frame, conformed to ``target`` (column order, types)."""
+    try:
+        batches = frames.decode_batches(data)
+    except pa.ArrowInvalid as e:
+        raise BufferReadError(f"buffer {stream}: message {seq} is not an Arrow frame ({e}); is this "
+                              "an events stream (mode=events)?") from None
+    rows = headers.get(frames.HDR_ROWS)
+    if rows is not None and int(rows) != sum(b.num_rows for b in batches):
+        raise BufferReadError(f"buffer {stream}: frame {seq} holds "
+                              f"{sum(b.num_rows for b in batches)} rows, its header says {rows}")
+    for b in batches:
+        if not b.schema.equals(target):
+            missing = [n for n in target.names if n not in b.schema.names]
+            if missing:
+                raise BufferReadError(
+                    f"buffer {stream}: frame {seq} lacks column(s) {missing} of the schema given "
+                    "with .schema(...); the upstream step writes " + ", ".join(b.schema.names))
+            try:
+                b = b.select(target.names).cast(target)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise BufferReadError(f"buffer {stream}: frame {seq} does not fit the given schema "
+                                      f"({e})") from None
+        yield b
+
+
+def _events_batch(msgs: list[Message], stream: str, prefix: str, target: pa.Schema) -> pa.RecordBatch:
+    """One Arrow batch of events: payloads, ids, sequences, stream, store time; built in bulk."""
+    n = len(msgs)
+    seqs = pa.array([m[0] for m in msgs], pa.int64())
+    raw = pa.array([m[1] for m in msgs], pa.binary())
+    try:
+        value = raw.cast(pa.string())
+    except pa.ArrowInvalid:  # not UTF-8: keep the event (from_json will route it to the DLQ)
+        value = pa.array([m[1].decode("utf-8", "replace") for m in msgs], pa.string())
+    ids = pc.binary_join_element_wise(prefix, seqs.cast(pa.string()), "")
+    times = [m[3] for m in msgs]
+    if isinstance(times[0], int):  # consumer path: ns since the epoch
+        ts = pa.array(times, pa.int64()).cast(pa.timestamp("ns", "UTC"))
+    else:  # direct get: RFC 3339 strings
+        ts = pa.array(times, pa.string()).cast(pa.timestamp("ns", "UTC"))
+    ts = ts.cast(pa.timestamp("us", "UTC"), safe=False)
+    return pa.RecordBatch.from_arrays(
+        [value, ids, seqs, pa.repeat(pa.scalar(stream, pa.string()), n), ts], schema=target)
