@@ -47,17 +47,25 @@ def validate(
 
 
 def _register_optional() -> None:
-    """Command groups added by later layers register here (kept import-light)."""
+    """Command groups added by later layers register here (kept import-light).
+
+    A module exposing ``register(app)`` adds its own commands (a single top-level
+    command such as ``produce``); otherwise its Typer ``app`` becomes group ``name``.
+    """
     import importlib
 
-    for mod, name in (("isbflow.cli.isb", "isb"),):
+    for mod, name in (("isbflow.cli.isb", "isb"), ("isbflow.cli.produce", "produce"),
+                      ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform")):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
             if e.name != mod:
                 raise
             continue
-        app.add_typer(m.app, name=name)
+        if hasattr(m, "register"):
+            m.register(app)
+        else:
+            app.add_typer(m.app, name=name)
 
 
 _register_optional()

@@ -1,0 +1,222 @@
+"""Reference tables: small keyed tables a step joins against (Kafka Streams' GlobalKTable).
+
+A reference table ``name`` of pipeline ``p`` lives in the KV bucket
+:func:`isbflow.isb.naming.reference_bucket` ``(p, name)``: one key per row, the
+row's other columns as one JSON object. Keys use the KV alphabet
+(``A-Z a-z 0-9 - _ = / .``).
+
+- :func:`put` writes rows (creating the bucket when missing) and skips rows whose
+  value is unchanged, so re-loading the same file changes nothing, not even the
+  revision; ``replace=True`` also deletes keys absent from ``rows``.
+- :func:`load` returns ``(revision, table)``: ``revision`` is the bucket stream's
+  last sequence, which every put or delete raises; the table is a
+  ``pyarrow.Table`` with the key column first, rows sorted by key.
+- :class:`ReferenceCache` serves a Spark step: each :meth:`~ReferenceCache.dataframe`
+  call (once per micro-batch, on the driver) asks the server for the revision
+  only, and reloads the table only when it changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pyarrow as pa
+
+from isbflow.isb import naming
+from isbflow.isb.connect import NatsSettings, connect
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+T = TypeVar("T")
+_KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
+_HISTORY = 1
+
+
+class ReferenceError(Exception):
+    """A reference table is missing or a row cannot be stored; the message says what to do."""
+
+
+def _bucket_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def _not_found(pipeline: str, name: str, settings: NatsSettings) -> ReferenceError:
+    return ReferenceError(
+        f"reference table {name!r} of pipeline {pipeline} does not exist on {settings.display} "
+        f"(KV bucket {naming.reference_bucket(pipeline, name)}): load it with "
+        f"'isbflow ref put -f <spec> --name {name} --from-file <rows.json>'")
+
+
+def check_rows(rows: Mapping[str, Any]) -> None:
+    """Raise :class:`ReferenceError` naming the first bad key or value."""
+    for key, value in rows.items():
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise ReferenceError(f"reference key {key!r} is not allowed: use letters, digits and - _ = / .")
+        if not isinstance(value, Mapping):
+            raise ReferenceError(f"reference row {key!r} must be an object of columns, got {type(value).__name__}")
+
+
+def _encode(value: Mapping[str, Any]) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+async def _entries(kv: Any) -> dict[str, bytes]:
+    """Latest value of every live key (deleted keys left out)."""
+    from nats.js.kv import KV_DEL, KV_PURGE
+
+    out: dict[str, bytes] = {}
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:  # the end of what was stored when the watch began
+                break
+            if entry.operation in (KV_DEL, KV_PURGE):
+                out.pop(entry.key, None)
+            else:
+                out[entry.key] = entry.value
+    finally:
+        await watcher.stop()
+    return out
+
+
+async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[str, Mapping[str, Any]],
+              *, replace: bool = False) -> dict[str, int]:
+    """Store ``rows`` (key -> columns). Returns counts ``written``, ``unchanged``, ``deleted`` and ``revision``."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    check_rows(rows)
+    bucket = naming.reference_bucket(pipeline, name)
+    nc = await connect(settings, name="isbflow-ref")
+    try:
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(KeyValueConfig(
+                bucket=bucket, description=f"isbflow pipeline {pipeline}: reference table {name}",
+                history=_HISTORY, storage=StorageType.FILE, direct=True))
+        current = await _entries(kv)
+        written = unchanged = deleted = 0
+        for key in sorted(rows):
+            data = _encode(rows[key])
+            if current.get(key) == data:
+                unchanged += 1
+                continue
+            await kv.put(key, data)
+            written += 1
+        if replace:
+            for key in sorted(set(current) - set(rows)):
+                await kv.delete(key)
+                deleted += 1
+        revision = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
+    finally:
+        await nc.close()
+    return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
+
+
+async def revision(settings: NatsSettings, pipeline: str, name: str) -> int:
+    """The table's revision: the bucket stream's last sequence (one small request)."""
+    from nats.js.errors import NotFoundError
+
+    nc = await connect(settings, name="isbflow-ref")
+    try:
+        return (await nc.jetstream().stream_info(
+            _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
+    except NotFoundError:
+        raise _not_found(pipeline, name, settings) from None
+    finally:
+        await nc.close()
+
+
+def to_table(rows: Mapping[str, Mapping[str, Any]], key: str = "key") -> pa.Table:
+    """Rows as a table: ``key`` column first, then the value columns, sorted by key."""
+    if not rows:
+        return pa.table({key: pa.array([], pa.string())})
+    records = [{key: k, **{c: v for c, v in rows[k].items() if c != key}} for k in sorted(rows)]
+    return pa.Table.from_pylist(records)
+
+
+async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key") -> tuple[int, pa.Table]:
+    """``(revision, table)`` of the reference table; :class:`ReferenceError` when it does not exist.
+
+    The revision is read before the values, so a put racing with the load makes
+    the next revision check reload: never a stale table under a fresh revision.
+    """
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    bucket = naming.reference_bucket(pipeline, name)
+    nc = await connect(settings, name="isbflow-ref")
+    try:
+        js = nc.jetstream()
+        try:
+            rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
+            kv = await js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            raise _not_found(pipeline, name, settings) from None
+        entries = await _entries(kv)
+    finally:
+        await nc.close()
+    return rev, to_table({k: json.loads(v) for k, v in entries.items()}, key)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from sync code, even when this thread has a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="isbflow-ref")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class ReferenceCache:
+    """The current reference table as a broadcastable Spark DataFrame, reloaded only on change.
+
+    Runs on the driver: call :meth:`dataframe` once per micro-batch (e.g. in the
+    step's transform) and join with it. ``loads`` counts reloads.
+    """
+
+    def __init__(self, settings: NatsSettings, pipeline: str, name: str, key: str = "key"):
+        self.settings, self.pipeline, self.name, self.key = settings, pipeline, name, key
+        self.revision: int | None = None
+        self.loads = 0
+        self._table: pa.Table | None = None
+        self._frames: dict[int, DataFrame] = {}  # per SparkSession
+
+    def table(self) -> pa.Table:
+        """The current table, reloading it when the bucket's revision moved."""
+        rev = _run(revision(self.settings, self.pipeline, self.name))
+        if rev != self.revision or self._table is None:
+            self.revision, self._table = _run(load(self.settings, self.pipeline, self.name, self.key))
+            self.loads += 1
+            self._frames.clear()
+        return self._table
+
+    def dataframe(self, spark: SparkSession) -> DataFrame:
+        """``F.broadcast`` of the current table, built once per revision and session."""
+        from pyspark.sql import functions as F
+
+        table = self.table()
+        df = self._frames.get(id(spark))
+        if df is None:
+            df = self._frames[id(spark)] = F.broadcast(spark.createDataFrame(table))
+        return df

@@ -1,0 +1,55 @@
+"""The demo's transforms (pipelines/logs.yaml): log events -> parsed -> enriched -> per-minute stats.
+
+User code: each function takes and returns Spark DataFrames and knows nothing
+of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
+
+- :func:`parse`: input the source's parsed columns (``ts, service, level, host,
+  latency_ms, status, msg``) plus ``_isb_id``; normalises ``service`` (trimmed,
+  lower case) and ``level`` (trimmed, upper case, ``WARNING`` -> ``WARN``) and
+  adds ``is_error`` (``status >= 500`` or level ``ERROR``).
+- :func:`enrich`: joins the reference table ``services`` (``service`` -> ``team``,
+  ``tier``) on ``service``; a service missing from it gets team ``unknown``.
+- :func:`per_minute`: 1-minute event-time tumbling windows per service, with a
+  2-minute watermark: ``window_start, window_end, service, count, errors,
+  latency_avg, latency_p95``.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+UNKNOWN_TEAM = "unknown"
+WATERMARK = "2 minutes"
+WINDOW = "1 minute"
+
+
+def parse(df: DataFrame) -> DataFrame:
+    level = F.upper(F.trim(F.col("level")))
+    return (df
+            .withColumn("service", F.lower(F.trim(F.col("service"))))
+            .withColumn("level", F.when(level == "WARNING", F.lit("WARN")).otherwise(level))
+            .withColumn("is_error", F.coalesce((F.col("status") >= 500) | (F.col("level") == "ERROR"),
+                                               F.lit(False))))
+
+
+def enrich(df: DataFrame, services: DataFrame) -> DataFrame:
+    """Left join on ``service``; every input row comes out once (the reference has one row per key)."""
+    ref = services
+    if "team" not in ref.columns:
+        ref = ref.withColumn("team", F.lit(None).cast("string"))
+    ref = ref.select("service", *[c for c in ref.columns if c != "service"])
+    return (df.join(F.broadcast(ref), on="service", how="left")
+            .withColumn("team", F.coalesce(F.col("team"), F.lit(UNKNOWN_TEAM))))
+
+
+def per_minute(df: DataFrame) -> DataFrame:
+    return (df
+            .withWatermark("ts", WATERMARK)
+            .groupBy(F.window("ts", WINDOW), F.col("service"))
+            .agg(F.count(F.lit(1)).alias("count"),
+                 F.sum(F.col("is_error").cast("long")).alias("errors"),
+                 F.avg("latency_ms").alias("latency_avg"),
+                 F.percentile_approx("latency_ms", 0.95).alias("latency_p95"))
+            .select(F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"),
+                    "service", "count", "errors", "latency_avg", "latency_p95"))

@@ -1,0 +1,125 @@
+"""The isb-files source with a real SparkSession: capped availableNow batches, exact ids, replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from isbflow import produce as P
+from isbflow.connector.files import (
+    FilesDataSource,
+    FilesSourceError,
+    FilesStreamReader,
+    Position,
+    land,
+)
+from isbflow.connector.files import (
+    FileSegment as Seg,
+)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    s = (SparkSession.builder.master("local[2]").appName("test-files-source")
+         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    s.dataSource.register(FilesDataSource)
+    yield s
+    s.stop()
+
+
+def _lines(seed: int, start: int, count: int) -> list[bytes]:
+    return [b for _, b in P.iter_payloads(seed, start, count)]
+
+
+def _expected_ids(files: dict[str, int]) -> list[str]:
+    return [f"files/{name}/{n}" for name in sorted(files) for n in range(1, files[name] + 1)]
+
+
+def _run_available_now(spark, folder: Path, checkpoint: Path, max_rows: int) -> list[list[dict]]:
+    """Run the query to completion; the rows of each micro-batch, in batch order."""
+    batches: dict[int, list[dict]] = {}
+
+    def collect(df, batch_id):
+        batches[batch_id] = [r.asDict() for r in df.collect()]
+
+    q = (spark.readStream.format("isb-files").option("path", str(folder))
+         .option("readMaxRows", str(max_rows)).option("rowsPerPartition", "40").load()
+         .writeStream.foreachBatch(collect).option("checkpointLocation", str(checkpoint))
+         .trigger(availableNow=True).start())
+    q.awaitTermination(300)
+    assert q.exception() is None
+    return [batches[b] for b in sorted(batches)]
+
+
+def _offset_log(checkpoint: Path, batch: int) -> dict:
+    return json.loads((checkpoint / "offsets" / str(batch)).read_text().splitlines()[-1])
+
+
+def test_available_now_reads_every_line_once_in_capped_batches(spark, tmp_path):
+    folder, checkpoint = tmp_path / "landing", tmp_path / "ckpt"
+    land(folder, "0001-a.jsonl", _lines(1, 0, 150))
+    land(folder, "0002-b.jsonl", _lines(1, 150, 100))
+    land(folder, "0003-c.jsonl", [])  # an empty file is fine
+    (folder / "0004-d.jsonl").write_bytes(b'{"x":1}\n\n{"x":2}')  # blank line; no final newline
+    (folder / "0005-e.jsonl.tmp").write_bytes(b'{"partial":')  # still being written: never read
+    (folder / "notes.txt").write_text("not a landing file\n")
+
+    batches = _run_available_now(spark, folder, checkpoint, max_rows=120)
+    assert [len(b) for b in batches] == [120, 120, 13]
+    rows = [r for b in batches for r in b]
+    ids = [r["_isb_id"] for r in rows]
+    assert sorted(ids) == sorted(_expected_ids({"0001-a.jsonl": 150, "0002-b.jsonl": 100, "0004-d.jsonl": 3}))
+    assert len(set(ids)) == len(ids)
+    by_id = {r["_isb_id"]: r["value"] for r in rows}
+    assert by_id["files/0001-a.jsonl/1"] == _lines(1, 0, 1)[0].decode()
+    assert by_id["files/0002-b.jsonl/100"] == _lines(1, 249, 1)[0].decode()
+    assert (by_id["files/0004-d.jsonl/2"], by_id["files/0004-d.jsonl/3"]) == ("", '{"x":2}')
+
+    # re-reading batch 1's offset range outside Spark gives exactly what Spark saw
+    reader = FilesStreamReader(str(folder), "*.jsonl", 120, 40)
+    start, end = _offset_log(checkpoint, 0), _offset_log(checkpoint, 1)
+    assert end == {"file": "0002-b.jsonl", "line": 90}
+    again = [row for p in reader.partitions(start, end) for b in reader.read(p) for row in b.to_pylist()]
+    assert sorted(again, key=lambda r: r["_isb_id"]) == sorted(batches[1], key=lambda r: r["_isb_id"])
+    assert again == [row for p in reader.partitions(start, end) for b in reader.read(p) for row in b.to_pylist()]
+
+    # a new file landing between runs is picked up by the next run, and only it
+    land(folder, "0006-f.jsonl", _lines(2, 0, 30))
+    (folder / "0005-e.jsonl.tmp").unlink()
+    more = _run_available_now(spark, folder, checkpoint, max_rows=120)
+    assert [r["_isb_id"] for b in more for r in b] == _expected_ids({"0006-f.jsonl": 30})
+    # nothing new: a third run reads nothing
+    assert sum(len(b) for b in _run_available_now(spark, folder, checkpoint, max_rows=120)) == 0
+
+
+def test_latest_offset_respects_the_limit_and_the_available_now_target(tmp_path):
+    land(tmp_path, "a.jsonl", ["{}"] * 5)
+    land(tmp_path, "b.jsonl", ["{}"] * 5)
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+    r = FilesStreamReader(str(tmp_path), "*.jsonl", 100, 100)
+    start = r.initialOffset()
+    assert r.latestOffset(start, ReadMaxRows(7)) == {"file": "b.jsonl", "line": 2}
+    assert r.latestOffset({"file": "a.jsonl", "line": 5}, ReadMaxRows(3)) == {"file": "b.jsonl", "line": 3}
+    r.prepareForTriggerAvailableNow()
+    land(tmp_path, "c.jsonl", ["{}"] * 5)  # after the target: not part of this run
+    assert r.latestOffset(start, ReadAllAvailable()) == {"file": "b.jsonl", "line": 5}
+    end = {"file": "b.jsonl", "line": 5}
+    assert r.latestOffset(end, ReadAllAvailable()) == end
+    assert [(p.name, p.lo, p.hi) for p in r.partitions({"file": "a.jsonl", "line": 3}, end)] == [
+        ("a.jsonl", 3, 5), ("b.jsonl", 0, 5)]
+
+
+def test_a_landed_file_that_changes_or_vanishes_is_an_error(tmp_path):
+    f = land(tmp_path, "a.jsonl", ["{}"] * 5)
+    f.write_text("{}\n")
+    with pytest.raises(FilesSourceError, match="must not change"):
+        list(FilesStreamReader.read(None, Seg(str(tmp_path), "a.jsonl", 0, 5)))  # type: ignore[arg-type]
+    f.unlink()
+    with pytest.raises(FilesSourceError, match="is gone"):
+        list(FilesStreamReader.read(None, Seg(str(tmp_path), "a.jsonl", 0, 5)))  # type: ignore[arg-type]
+    with pytest.raises(FilesSourceError, match="not an offset"):
+        Position.from_json({"seq": 3})
