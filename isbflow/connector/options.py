@@ -111,6 +111,10 @@ class ReaderOptions:
     #: batch reads only: "latest" | offsets JSON | None (= latest)
     ending_offsets: str | dict | None
     partition_msgs: int
+    #: drain: with both set, latestOffset never passes the drain point the runner
+    #: froze in the pipeline's status KV (``drain.<vertex>``; see isbflow.steps.state)
+    drain_pipeline: str | None = None
+    drain_vertex: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -138,6 +142,8 @@ class ReaderOptions:
             starting_offsets=_offsets_option(options, "startingOffsets", ("earliest", "latest")),
             ending_offsets=_offsets_option(options, "endingOffsets", ("latest",)),
             partition_msgs=_int(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
+            drain_pipeline=(options.get("pipeline") or None),
+            drain_vertex=(options.get("vertex") or None),
         )
 
     def max_messages(self, max_rows: int) -> int:

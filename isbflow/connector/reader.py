@@ -126,6 +126,13 @@ class JetStreamDataSource(DataSource):
     def streamReader(self, schema: StructType) -> JetStreamStreamReader:
         return JetStreamStreamReader(ReaderOptions.parse(self.options), schema)
 
+    def streamWriter(self, schema: StructType, overwrite: bool):  # noqa: N802
+        """Driver: the stream writer publishing frames into an edge's buffers
+        (:mod:`isbflow.connector.writer`)."""
+        from isbflow.connector.writer import stream_writer
+
+        return stream_writer(self.options, schema)
+
     def reader(self, schema: StructType) -> JetStreamBatchReader:
         return JetStreamBatchReader(ReaderOptions.parse(self.options), schema)
 
@@ -149,6 +156,15 @@ class _Link:
             return await asyncio.gather(*(stream_state(self._nc, s) for s in streams))
 
         return dict(zip(streams, loop.run_until_complete(all_states()), strict=True))
+
+    def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:
+        """The end offsets frozen for a draining step (stream -> last seq), or None."""
+        from isbflow.steps.state import get_drain_point
+
+        self.states(())  # opens the loop and connection
+        assert self._loop is not None
+        point = self._loop.run_until_complete(get_drain_point(self._nc, pipeline, vertex))
+        return {s: int(v) for s, v in point.items()} if point else None
 
     def close(self) -> None:
         if self._loop is not None:
@@ -280,6 +296,10 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         """
         begin = off.from_json(start)
         states = self._states()
+        drain = None
+        if self.opts.drain_pipeline and self.opts.drain_vertex:
+            assert self._link is not None
+            drain = self._link.drain_point(self.opts.drain_pipeline, self.opts.drain_vertex)
         bases: dict[str, StreamOffset] = {}
         available: dict[str, int] = {}
         for s in self.opts.streams:
@@ -295,6 +315,8 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
             t = self._target.get(s) if self._target is not None else None
             if self._target is not None:
                 hi = min(hi, t.seq) if t is not None and t.inc == base.inc else base.seq
+            if drain is not None and s in drain:  # draining: never past the frozen point
+                hi = min(hi, drain[s])
             available[s] = max(0, hi - base.seq)
             self._seen[s] = (st.incarnation, st.last_seq)
         if isinstance(limit, ReadMaxRows):

@@ -1,0 +1,150 @@
+"""Desired and observed state of steps, kept in the pipeline's KV buckets.
+
+* **control** bucket, key ``<vertex>``: the desired state Airflow or the CLI
+  sets: ``running`` | ``draining`` | ``stopped``.
+* **status** bucket:
+  - ``step.<vertex>``: the step's heartbeat (JSON :class:`StepStatus`),
+    written by the runner after every micro-batch and at least every few seconds;
+  - ``committed.<vertex>.<stream>``: the last sequence of input stream
+    ``<stream>`` that step ``<vertex>`` has committed downstream (a sink's Delta
+    commit, a step's batch commit). Writers read it for backpressure; space in
+    WorkQueue/Interest buffers is released up to it;
+  - ``drain.<vertex>``: the end offsets frozen when the step started draining.
+
+Keys and values are plain text/JSON so any NATS client (``nats kv get``) can
+read them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from isbflow.isb import naming
+
+
+class Desired(StrEnum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class Observed(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class StepStatus:
+    """One step's heartbeat. Rates are rows/s over the last micro-batch."""
+
+    vertex: str
+    state: str = Observed.STARTING
+    batch_id: int = -1
+    updated_at: float = field(default_factory=time.time)
+    committed: dict[str, int] = field(default_factory=dict)  # input stream -> last committed seq
+    lag: dict[str, int] = field(default_factory=dict)  # input stream -> messages behind
+    input_rows_per_s: float = 0.0
+    processed_rows_per_s: float = 0.0
+    rows_total: int = 0
+    dlq_total: int = 0
+    discarded_total: int = 0
+    late_total: int = 0
+    error: str | None = None
+    final_offsets: dict[str, Any] | None = None
+    app: str | None = None  # Spark application id / launch id
+    pid: int | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepStatus:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def age(self, now: float | None = None) -> float:
+        return (now or time.time()) - self.updated_at
+
+
+async def _kv(nc, bucket: str):
+    return await nc.jetstream().key_value(bucket)
+
+
+async def _get(kv, key: str) -> bytes | None:
+    try:
+        entry = await kv.get(key)
+    except (KeyNotFoundError, NotFoundError):
+        return None
+    return entry.value
+
+
+async def set_desired(nc, pipeline: str, vertex: str, desired: Desired) -> None:
+    kv = await _kv(nc, naming.control_bucket(pipeline))
+    await kv.put(vertex, desired.value.encode())
+
+
+async def get_desired(nc, pipeline: str, vertex: str) -> Desired:
+    kv = await _kv(nc, naming.control_bucket(pipeline))
+    raw = await _get(kv, vertex)
+    return Desired(raw.decode()) if raw else Desired.RUNNING
+
+
+async def put_status(nc, pipeline: str, status: StepStatus) -> None:
+    status.updated_at = time.time()
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    await kv.put(f"step.{status.vertex}", json.dumps(status.to_json()).encode())
+
+
+async def get_status(nc, pipeline: str, vertex: str) -> StepStatus | None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    raw = await _get(kv, f"step.{vertex}")
+    return StepStatus.from_json(json.loads(raw)) if raw else None
+
+
+async def all_status(nc, pipeline: str, vertices: list[str]) -> dict[str, StepStatus | None]:
+    return {v: await get_status(nc, pipeline, v) for v in vertices}
+
+
+def committed_key(vertex: str, stream: str) -> str:
+    return f"committed.{vertex}.{stream}"
+
+
+async def put_committed(nc, pipeline: str, vertex: str, offsets: dict[str, int]) -> None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    for stream, seq in offsets.items():
+        await kv.put(committed_key(vertex, stream), str(int(seq)).encode())
+
+
+async def get_committed(nc, pipeline: str, vertex: str, stream: str) -> int | None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    raw = await _get(kv, committed_key(vertex, stream))
+    return int(raw) if raw else None
+
+
+async def put_drain_point(nc, pipeline: str, vertex: str, offsets: dict[str, Any]) -> None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    await kv.put(f"drain.{vertex}", json.dumps(offsets).encode())
+
+
+async def get_drain_point(nc, pipeline: str, vertex: str) -> dict[str, Any] | None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    raw = await _get(kv, f"drain.{vertex}")
+    return json.loads(raw) if raw else None
+
+
+async def clear_drain_point(nc, pipeline: str, vertex: str) -> None:
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    try:
+        await kv.delete(f"drain.{vertex}")
+    except (KeyNotFoundError, NotFoundError):
+        pass
