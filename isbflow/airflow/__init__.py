@@ -1,0 +1,34 @@
+"""The Airflow-facing pieces of isbflow, laid out like an Airflow provider package.
+
+- ``hooks/``: connections to the outside systems (:class:`~isbflow.airflow.hooks.jetstream.JetStreamHook`,
+  connection type ``nats``);
+- ``operators/``: thin task wrappers over the library
+  (:class:`~isbflow.airflow.operators.isb.IsbProvisionOperator`);
+- ``pipelines``: where DAGs find spec files and the trigger-form parameter.
+
+Only this package imports Airflow; the core library (spec, isb, connector,
+steps) never does, so Spark executors and the CLI stay light.
+:func:`get_provider_info` registers the ``nats`` connection type with Airflow
+(entry point ``apache_airflow_provider``).
+"""
+
+from __future__ import annotations
+
+
+def get_provider_info() -> dict:
+    """Provider metadata read by Airflow's ProvidersManager (connection types, hooks, operators)."""
+    return {
+        "package-name": "isbflow",
+        "name": "isbflow",
+        "description": "Streaming pipelines on NATS JetStream inter-step buffers and PySpark.",
+        "versions": ["0.1.0"],
+        "hooks": [{"integration-name": "isbflow",
+                   "python-modules": ["isbflow.airflow.hooks.jetstream"]}],
+        "operators": [{"integration-name": "isbflow",
+                       "python-modules": ["isbflow.airflow.operators.isb"]}],
+        "connection-types": [{
+            "hook-class-name": "isbflow.airflow.hooks.jetstream.JetStreamHook",
+            "connection-type": "nats",
+            "hook-name": "NATS JetStream (isbflow ISB service)",
+        }],
+    }

@@ -1,0 +1,1 @@
+"""Hooks: the ISB service (NATS JetStream) as an Airflow connection."""

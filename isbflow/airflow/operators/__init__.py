@@ -1,0 +1,1 @@
+"""Operators: thin Airflow tasks over the isbflow library."""
