@@ -55,7 +55,8 @@ def _register_optional() -> None:
     import importlib
 
     for mod, name in (("isbflow.cli.isb", "isb"), ("isbflow.cli.produce", "produce"),
-                      ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform")):
+                      ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform"),
+                      ("isbflow.cli.pipeline", "pipeline")):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -208,7 +208,8 @@ class _RangeReader:
                 continue
             if st is None:
                 raise BufferNotFound(s)
-            seq = st.last_seq if given == "latest" else st.first_seq - 1
+            # an empty new stream reports first_seq 0: start at 0, not -1
+            seq = st.last_seq if given == "latest" else max(0, st.first_seq - 1)
             out[s] = StreamOffset(st.incarnation, seq)
         return out
 
@@ -339,7 +340,7 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         if so is None:  # a stream added to `streams` since the checkpoint: start at its beginning
             if st is None:
                 raise BufferNotFound(s)
-            return StreamOffset(st.incarnation, st.first_seq - 1, rebased_from=st.first_seq - 1)
+            return StreamOffset(st.incarnation, max(0, st.first_seq - 1), rebased_from=max(0, st.first_seq - 1))
         seen_inc, seen_last = self._seen.get(s, (None, None))
         # the old incarnation's last sequence, when observed and beyond the offset
         old_last = seen_last if seen_inc == so.inc and seen_last > so.seq else None
@@ -349,7 +350,7 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         elif st.incarnation != so.inc:
             if fully_read:
                 # everything of the old incarnation was read: nothing lost, follow the new one
-                return StreamOffset(st.incarnation, st.first_seq - 1, rebased_from=st.first_seq - 1)
+                return StreamOffset(st.incarnation, max(0, st.first_seq - 1), rebased_from=max(0, st.first_seq - 1))
             loss = BufferLost(s, so.seq + 1, old_last,
                               f"the stream was recreated (incarnation {so.inc} is gone, new "
                               f"incarnation {st.incarnation} starts at sequence {st.first_seq})")

@@ -97,6 +97,8 @@ PARTITION_COLUMN = "_isb_partition"
 #: A row with this column set is not published: it goes to the dead-letter buffer with
 #: the column's text as its reason (the source step marks records it cannot parse).
 ERROR_COLUMN = "_isb_error"
+#: The raw record of a rejected row, kept for its dead letter; never published.
+RAW_COLUMN = "_isb_raw"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 DEFAULT_COMMITTED_KEY = "committed.{to}.{stream}"
 DEFAULT_WINDOW = 32
@@ -438,8 +440,9 @@ class _TaskPublisher:
         if idx < 0:
             return batch
         errors = batch.column(idx)
+        drop = [c for c in (ERROR_COLUMN, RAW_COLUMN) if c in batch.schema.names]
         if errors.null_count == batch.num_rows:
-            return batch.drop_columns([ERROR_COLUMN])
+            return batch.drop_columns(drop)
         bad = pc.is_valid(errors)
         rejected = batch.filter(bad).drop_columns([c for c in (PARTITION_COLUMN,) if c in batch.schema.names])
         letters = []
@@ -453,7 +456,7 @@ class _TaskPublisher:
         await publish_dead_letters(self.js, self.opts.pipeline, self.opts.step, letters,
                                    max_payload=self.max_payload, subject=self.opts.dlq_subject)
         self.report.count(0, "dead_lettered", len(letters))
-        return batch.filter(pc.invert(bad)).drop_columns([ERROR_COLUMN])
+        return batch.filter(pc.invert(bad)).drop_columns(drop)
 
     # -- routing
     def _route(self, batch: pa.RecordBatch) -> Iterator[tuple[int, pa.RecordBatch]]:

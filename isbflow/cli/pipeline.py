@@ -1,0 +1,195 @@
+"""``isbflow pipeline`` and ``isbflow step``: run, drain and watch a pipeline's steps."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from isbflow.cli.common import (
+    DataDir,
+    JsonOut,
+    NatsUrl,
+    PipelineName,
+    SpecFile,
+    console,
+    data_dir_or_default,
+    fail,
+    load_or_exit,
+    print_json,
+    run,
+    settings_or_exit,
+)
+
+app = typer.Typer(help="Run, drain and watch a pipeline's Spark steps.", no_args_is_help=True)
+step_app = typer.Typer(help="Run one step of a pipeline.", no_args_is_help=True)
+
+
+class Trigger(StrEnum):
+    CONTINUOUS = "continuous"
+    AVAILABLE_NOW = "available-now"
+
+
+TriggerOpt = Annotated[Trigger, typer.Option(
+    help="continuous: run until drained; available-now: process what the sources hold now, "
+         "step by step in topological order, then return (the batch mode of the same code).")]
+MasterOpt = Annotated[str, typer.Option(help="Spark master, e.g. local[2] or spark://127.0.0.1:7077.")]
+
+
+def _pipeline(files, pipeline):
+    specs = load_or_exit(files)
+    p = specs.pipelines.get(pipeline) if pipeline else specs.only_pipeline()
+    if p is None:
+        fail(f"no pipeline named {pipeline!r} in {', '.join(map(str, files))}", 2)
+    return specs, p
+
+
+def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out):
+    from isbflow.steps.runner import PipelineRunner, StepError, spark_session
+
+    specs, p = _pipeline(files, pipeline)
+    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    dd = data_dir_or_default(data_dir)
+    spark = spark_session(master, app_name=f"isbflow-{p.name}")
+    spark.sparkContext.setLogLevel("WARN")
+    runner = PipelineRunner(spark, specs, p, settings, dd)
+    started = time.time()
+    try:
+        if trigger == Trigger.AVAILABLE_NOW:
+            out = runner.run_available_now(steps, on_step=None if json_out else lambda v, s: console.print(
+                f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"))
+        else:
+            if not json_out:
+                console.print(f"pipeline {p.name} running (Ctrl-C stops; 'isbflow pipeline drain' drains)")
+            out = runner.run_continuous(steps)
+    except StepError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        out = {}
+    finally:
+        runner.close()
+    if json_out:
+        print_json({"pipeline": p.name, "seconds": round(time.time() - started, 3),
+                    "steps": {v: s.to_json() for v, s in out.items()}})
+
+
+@app.command("run")
+def run_pipeline(
+    file: SpecFile,
+    trigger: TriggerOpt = Trigger.CONTINUOUS,
+    master: MasterOpt = "local[2]",
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    nats_url: NatsUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Run every step of a pipeline in one Spark application.
+
+    Example: isbflow pipeline run -f pipelines/logs.yaml --trigger available-now
+    """
+    _run(file, pipeline, data_dir, nats_url, trigger, master, None, json_out)
+
+
+@step_app.command("run")
+def run_step(
+    file: SpecFile,
+    step: Annotated[str, typer.Option(help="The vertex to run.")],
+    trigger: TriggerOpt = Trigger.CONTINUOUS,
+    master: MasterOpt = "local[2]",
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    nats_url: NatsUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Run one step (its own Spark application): e.g. one per machine on a cluster.
+
+    Example: isbflow step run -f pipelines/logs.yaml --step parse
+    """
+    specs, p = _pipeline(file, pipeline)
+    if step not in {v.name for v in p.spec.vertices}:
+        fail(f"pipeline {p.name!r} has no step {step!r} (steps: {', '.join(p.topological_order())})", 2)
+    _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out)
+
+
+@app.command()
+def drain(
+    file: SpecFile,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait before giving up (exit 1, stuck step named).")] = 300,
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    nats_url: NatsUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Drain a running pipeline: upstream steps first, each downstream step once its inputs are
+    consumed; returns when every step reports drained, with its final offsets.
+    """
+    from isbflow.isb.connect import connect
+    from isbflow.steps.drain import DrainTimeout, drain_pipeline
+
+    specs, p = _pipeline(file, pipeline)
+    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+
+    async def go():
+        nc = await connect(settings)
+        try:
+            return await drain_pipeline(nc, p, timeout=timeout)
+        finally:
+            await nc.close()
+
+    try:
+        out = run(go())
+    except DrainTimeout as e:
+        fail(str(e))
+    if json_out:
+        print_json({"pipeline": p.name, "steps": {v: s.to_json() for v, s in out.items()}})
+    else:
+        for v, s in out.items():
+            console.print(f"{v}: drained, final offsets {s.final_offsets}")
+
+
+@app.command()
+def status(
+    file: SpecFile,
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    nats_url: NatsUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Each step's state, batch, committed offsets, lag, rates and dead-letter count."""
+    from isbflow.isb.connect import connect
+    from isbflow.steps.state import all_status, get_desired
+
+    specs, p = _pipeline(file, pipeline)
+    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    order = p.topological_order()
+
+    async def go():
+        nc = await connect(settings)
+        try:
+            return await all_status(nc, p.name, order), {v: await get_desired(nc, p.name, v) for v in order}
+        finally:
+            await nc.close()
+
+    statuses, desired = run(go())
+    if json_out:
+        print_json({"pipeline": p.name, "steps": {
+            v: {"desired": desired[v].value, **(s.to_json() if s else {"state": "unknown"})}
+            for v, s in statuses.items()}})
+        return
+    t = Table("step", "desired", "state", "batch", "lag (msgs)", "in rows/s", "done rows/s", "dlq", "heartbeat")
+    for v, s in statuses.items():
+        if s is None:
+            t.add_row(v, desired[v].value, "never reported", "", "", "", "", "", "")
+            continue
+        t.add_row(v, desired[v].value, s.state, str(s.batch_id), str(sum(s.lag.values())),
+                  f"{s.input_rows_per_s:,.0f}", f"{s.processed_rows_per_s:,.0f}", str(s.dlq_total),
+                  f"{s.age():.0f}s ago")
+    console.print(t)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="pipeline")
+    root.add_typer(step_app, name="step")

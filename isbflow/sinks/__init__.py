@@ -1,0 +1,32 @@
+"""Sinks: tables with ACID commits that steps write into.
+
+:mod:`isbflow.sinks.delta` is the Delta sink: a Spark stream writer whose tasks
+write Parquet and whose driver commits one Delta transaction per micro-batch,
+plus the driver-side helpers recovery and reprocess use.
+"""
+
+from isbflow.sinks.delta import (
+    DeltaSchemaMismatch,
+    DeltaSinkDataSource,
+    DeltaSinkError,
+    DeltaSinkOptionError,
+    MergeResult,
+    merge_insert_missing,
+    read_sink,
+    replace_range,
+    sink_app_id,
+    sink_version,
+)
+
+__all__ = [
+    "DeltaSchemaMismatch",
+    "DeltaSinkDataSource",
+    "DeltaSinkError",
+    "DeltaSinkOptionError",
+    "MergeResult",
+    "merge_insert_missing",
+    "read_sink",
+    "replace_range",
+    "sink_app_id",
+    "sink_version",
+]

@@ -1,0 +1,502 @@
+"""The step runner: wires each vertex of a pipeline as Spark streaming queries.
+
+For every vertex the runner builds what the spec says, the user's code only
+transforms DataFrames:
+
+* **source** (JetStream subject of JSON events, or a landing folder): read
+  events, parse them with ``from_json`` against the spec's ``schema`` in the JVM;
+  a record that is not JSON, has a wrong type or misses a field gets
+  ``_isb_error`` and the writer sends it to the dead-letter buffer with that
+  reason; the rest flow on with their ``_isb_id``;
+* **udf**: read the frames of every input edge partition, call
+  ``module:function(df, **references)``; each reference is a broadcast
+  ``isb-ref`` table, re-read every micro-batch, so a changed value shows up on
+  the next batch;
+* **sink**: read the frames and write the Delta table with ``isb-delta``.
+
+A vertex with several output edges runs one query per edge (each with its own
+checkpoint); rows are routed to an edge's partitions by
+``pmod(xxhash64(partitionKey), partitions)``, computed in the JVM.
+
+After each micro-batch the runner records, per input stream, the sequence the
+step has committed (``committed.<vertex>.<stream>`` in the status bucket: what
+writers' backpressure and buffer release go by), releases WorkQueue/Interest
+buffers up to it, and writes the step's heartbeat. Triggers:
+
+* ``available-now``: steps run one after the other in topological order, each
+  until it has processed what its inputs held when it started (the batch mode
+  of the same code);
+* ``continuous``: all steps run at once; the runner follows the control keys
+  and drains a step when told (:mod:`isbflow.steps.drain`): it freezes the
+  step's end offsets (the reader never reads past them), waits until they are
+  committed, stops the query and reports ``drained`` with its final offsets.
+
+Relative sink paths and checkpoints live under the data dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isbflow.connector.options import settings_to_json
+from isbflow.connector.release import release
+from isbflow.isb import naming
+from isbflow.isb.connect import NatsSettings, connect
+from isbflow.spec import Specs
+from isbflow.spec.models import Pipeline, Vertex
+from isbflow.steps import state as st
+
+log = logging.getLogger(__name__)
+
+PARTITION_COLUMN = "_isb_partition"
+ERROR_COLUMN = "_isb_error"
+
+
+class StepError(Exception):
+    """A step could not be built or failed; the message names the step."""
+
+
+def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
+    """A SparkSession on loopback with isbflow's data sources registered."""
+    import sys
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    b = (SparkSession.builder.master(master).appName(app_name)
+         .config("spark.driver.host", "127.0.0.1")
+         .config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.ui.host", "127.0.0.1")
+         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.sql.session.timeZone", "UTC")
+         .config("spark.ui.showConsoleProgress", "false"))
+    for k, v in (conf or {}).items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    register_sources(spark)
+    return spark
+
+
+def register_sources(spark) -> None:
+    from isbflow.connector.files import FilesDataSource
+    from isbflow.connector.reader import JetStreamDataSource
+    from isbflow.connector.reference import ReferenceDataSource
+    from isbflow.sinks.delta import DeltaSinkDataSource
+
+    for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource):
+        spark.dataSource.register(ds)
+
+
+def load_transform(entry: str) -> Callable:
+    module, _, func = entry.partition(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as e:
+        raise StepError(f"cannot load transform {entry!r}: {e}") from None
+
+
+@dataclass
+class RunningQuery:
+    vertex: str
+    to: str | None
+    query: Any
+    inputs: list[str]  # input stream names (for committed offsets, lag, release)
+    seen_batch: int = -1
+    stats_dir: str | None = None
+
+
+@dataclass
+class StepRun:
+    vertex: str
+    queries: list[RunningQuery] = field(default_factory=list)
+    status: st.StepStatus | None = None
+    draining: bool = False
+    drain_point: dict[str, int] | None = None
+
+
+class _Nats:
+    """One connection and event loop for the driver's bookkeeping."""
+
+    def __init__(self, settings: NatsSettings):
+        self.loop = asyncio.new_event_loop()
+        self.nc = self.loop.run_until_complete(connect(settings, name="isbflow-runner"))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        try:
+            self.run(self.nc.close())
+        finally:
+            self.loop.close()
+
+
+class PipelineRunner:
+    def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
+                 processing_time: str = "1 second"):
+        self.spark = spark
+        self.specs = specs
+        self.p = pipeline
+        self.settings = settings
+        self.data_dir = Path(data_dir).absolute()
+        self.processing_time = processing_time
+        self.service = specs.service_for(pipeline)
+        self.retention = self.service.spec.jetstream.bufferConfig.stream.retention.value
+        self.max_payload = self.service.spec.jetstream.settings.max_payload
+        self._schemas: dict[str, Any] = {}
+        self.runs: dict[str, StepRun] = {}
+        self.nats = _Nats(settings)
+        self.settings_json = settings_to_json(settings)
+
+    # ------------------------------------------------------------------ planning
+    def sink_path(self, v: Vertex) -> str:
+        assert v.sink is not None
+        path = Path(v.sink.delta.path)
+        return str(path if path.is_absolute() else self.data_dir / path)
+
+    def checkpoint(self, vertex: str, to: str | None) -> str:
+        name = vertex if to is None else f"{vertex}-to-{to}"
+        return str(self.data_dir / "checkpoints" / self.p.name / name)
+
+    def input_streams(self, vertex: str) -> list[str]:
+        v = self.p.vertex(vertex)
+        if v.source:
+            return [naming.source_stream(self.p, vertex)] if v.source.jetstream else []
+        return [ep.stream for ep in naming.edge_partitions(self.p) if ep.to_vertex == vertex]
+
+    def _source_schema(self, v: Vertex):
+        from pyspark.sql.types import StructType
+
+        assert v.source is not None
+        if not v.source.schema_:
+            raise StepError(f"source {v.name!r}: the spec needs source.schema (Spark DDL of one event)")
+        return StructType.fromDDL(v.source.schema_)
+
+    def output_schema(self, vertex: str):
+        """The schema a vertex writes to its output edges (transforms applied to an empty frame)."""
+        if vertex not in self._schemas:
+            df = self._apply(vertex, self._empty_input(vertex))
+            self._schemas[vertex] = df.drop(ERROR_COLUMN, "_isb_raw").schema
+        return self._schemas[vertex]
+
+    def _empty_input(self, vertex: str):
+        v = self.p.vertex(vertex)
+        if v.source:
+            from pyspark.sql.types import StringType, StructField, StructType
+
+            from isbflow.connector.reader import EVENTS_SCHEMA
+
+            schema = EVENTS_SCHEMA if v.source.jetstream else StructType(
+                [StructField("value", StringType()), StructField("_isb_id", StringType())])
+            return self.spark.createDataFrame([], schema)
+        return self.spark.createDataFrame([], self._input_schema(vertex))
+
+    def _input_schema(self, vertex: str):
+        schemas = {e.from_: self.output_schema(e.from_) for e in self.p.inputs(vertex)}
+        first = next(iter(schemas.values()))
+        for up, s in schemas.items():
+            if s != first:
+                raise StepError(f"step {vertex!r}: its inputs have different schemas ({up!r} differs)")
+        return first
+
+    def _references(self, v: Vertex) -> dict[str, Any]:
+        from pyspark.sql import functions as F
+
+        refs = {}
+        for r in (v.udf.references if v.udf else []):
+            df = (self.spark.read.format("isb-ref").option("pipeline", self.p.name).option("name", r.name)
+                  .option("key", r.key).option("settings", self.settings_json).load())
+            refs[r.name.replace("-", "_")] = F.broadcast(df)
+        return refs
+
+    def _apply(self, vertex: str, df):
+        """What a vertex does to its input DataFrame (source parse, user transform, or nothing)."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import StringType, StructField, StructType
+
+        v = self.p.vertex(vertex)
+        if v.source:
+            schema = self._source_schema(v)
+            with_corrupt = StructType([*schema.fields, StructField("_isb_corrupt", StringType())])
+            parsed = df.select(F.from_json("value", with_corrupt, {"columnNameOfCorruptRecord": "_isb_corrupt"})
+                               .alias("_r"), "_isb_id", "value")
+            missing = F.concat_ws(", ", *[F.when(F.col(f"_r.{f.name}").isNull(), F.lit(f.name))
+                                          for f in schema.fields])
+            error = (F.when(F.col("_r").isNull() | F.col("_r._isb_corrupt").isNotNull(),
+                            F.lit("malformed record: not JSON, or a field of the wrong type"))
+                     .when(missing != "", F.concat(F.lit("missing field(s): "), missing)))
+            return parsed.select(*[F.col(f"_r.{f.name}").alias(f.name) for f in schema.fields], "_isb_id",
+                                 error.alias(ERROR_COLUMN), F.when(error.isNotNull(), F.col("value"))
+                                 .alias("_isb_raw"))
+        if v.udf:
+            fn = load_transform(v.udf.transform)
+            try:
+                return fn(df, **self._references(v))
+            except Exception as e:
+                raise StepError(f"step {vertex!r}: transform {v.udf.transform} failed: {e}") from e
+        return df
+
+    def _read(self, vertex: str):
+        v = self.p.vertex(vertex)
+        limits = v.effective_limits(self.p.spec.limits)
+        if v.source and v.source.files:
+            path = Path(v.source.files.path)
+            path = path if path.is_absolute() else self.data_dir / path
+            return (self.spark.readStream.format("isb-files").option("path", str(path))
+                    .option("pattern", v.source.files.pattern)
+                    .option("readMaxRows", str(limits.readBatchSize)).load())
+        r = (self.spark.readStream.format("jetstream").option("settings", self.settings_json)
+             .option("streams", ",".join(self.input_streams(vertex)))
+             .option("readMaxRows", str(limits.readBatchSize))
+             .option("onBufferLoss", v.onBufferLoss.value)
+             .option("pipeline", self.p.name).option("vertex", vertex))
+        if v.source:
+            return r.option("mode", "events").option("sourceName", vertex).load()
+        return r.option("mode", "frames").schema(self._input_schema(vertex)).load()
+
+    def _start(self, vertex: str, available_now: bool) -> StepRun:
+        from pyspark.sql import functions as F
+
+        v = self.p.vertex(vertex)
+        run = StepRun(vertex)
+        df = self._apply(vertex, self._read(vertex))
+        inputs = self.input_streams(vertex)
+        targets: list[tuple[str | None, Any]] = []
+        if v.sink:
+            w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
+                 .option("appId", f"{self.p.name}/{vertex}"))
+            if v.sink.delta.partitionBy:
+                w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
+            targets.append((None, w))
+        for e in self.p.outputs(vertex):
+            to = self.p.vertex(e.to)
+            n = to.partitions
+            part = (F.pmod(F.xxhash64(F.col(e.partitionKey)), F.lit(n)) if e.partitionKey and n > 1
+                    else F.lit(0)).cast("int")
+            out = df.withColumn(PARTITION_COLUMN, part)
+            limits = to.effective_limits(self.p.spec.limits)
+            stats = str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{e.to}")
+            w = (out.writeStream.format("jetstream").option("settings", self.settings_json)
+                 .option("pipeline", self.p.name).option("step", vertex).option("to", e.to)
+                 .option("partitions", str(n)).option("maxPayload", str(self.max_payload))
+                 .option("bufferMaxLength", str(limits.bufferMaxLength))
+                 .option("bufferUsageLimit", str(limits.bufferUsageLimit))
+                 .option("onFull", v.onFull.value).option("statsDir", stats))
+            targets.append((e.to, w))
+        for to, w in targets:
+            w = w.outputMode("append").option("checkpointLocation", self.checkpoint(vertex, to))
+            w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
+            w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.processing_time)
+            q = w.start()
+            stats_dir = None if to is None else str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{to}")
+            run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir))
+        run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
+                                   pid=os.getpid())
+        self.runs[vertex] = run
+        return run
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _committed(self, rq: RunningQuery) -> dict[str, int] | None:
+        """Input stream -> committed seq from the query's last completed batch."""
+        progress = rq.query.lastProgress
+        if not progress or not progress.get("sources"):
+            return None
+        out: dict[str, int] = {}
+        for src in progress["sources"]:
+            end = src.get("endOffset")
+            if isinstance(end, str):
+                try:
+                    end = json.loads(end)
+                except ValueError:
+                    continue
+            if isinstance(end, dict):
+                for stream, o in end.items():
+                    if isinstance(o, dict) and "seq" in o:
+                        out[stream] = int(o["seq"])
+        return out
+
+    def _bookkeep(self, run: StepRun) -> None:
+        """After new batches: committed offsets, buffer release, heartbeat fields."""
+        status = run.status
+        assert status is not None
+        committed: dict[str, int] = {}
+        rows = 0
+        for rq in run.queries:
+            prog = rq.query.lastProgress
+            c = self._committed(rq) or {}
+            # with several queries per vertex (one per output edge) the step has committed
+            # only what all of them have
+            for s, seq in c.items():
+                committed[s] = min(committed.get(s, seq), seq)
+            if prog and prog["batchId"] != rq.seen_batch:
+                rq.seen_batch = prog["batchId"]
+                status.batch_id = max(status.batch_id, prog["batchId"])
+                status.input_rows_per_s = float(prog.get("inputRowsPerSecond") or 0.0)
+                status.processed_rows_per_s = float(prog.get("processedRowsPerSecond") or 0.0)
+                rows += int(prog.get("numInputRows") or 0)
+                for so in prog.get("stateOperators") or []:
+                    status.late_total += int(so.get("numRowsDroppedByWatermark") or 0)
+        if rows and len(run.queries):
+            status.rows_total += rows // len(run.queries)
+        if committed and committed != status.committed:
+            status.committed = committed
+            self.nats.run(st.put_committed(self.nats.nc, self.p.name, run.vertex, committed))
+            if self.retention in ("WorkQueue", "Interest"):
+                for s, seq in committed.items():
+                    self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
+        status.dlq_total = self._dlq_total(run)
+        status.lag = self._lag(run, committed)
+
+    def _dlq_total(self, run: StepRun) -> int:
+        from isbflow.connector.writer import read_write_stats
+
+        total = 0
+        for rq in run.queries:
+            if rq.stats_dir and Path(rq.stats_dir).exists():
+                total += sum(int(s.get("deadLettered", s.get("dead_lettered", 0)) or 0)
+                             for s in read_write_stats(rq.stats_dir))
+                break  # every output query sees the same input rows: count one
+        return total
+
+    def _lag(self, run: StepRun, committed: dict[str, int]) -> dict[str, int]:
+        from isbflow.connector.fastread import stream_state
+
+        lag = {}
+        for s in run.queries[0].inputs if run.queries else []:
+            state = self.nats.run(stream_state(self.nats.nc, s))
+            if state is not None:
+                lag[s] = max(0, state.last_seq - committed.get(s, max(0, state.first_seq - 1)))
+        return lag
+
+    def _heartbeat(self, run: StepRun) -> None:
+        assert run.status is not None
+        self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
+
+    def _check_failed(self, run: StepRun) -> None:
+        for rq in run.queries:
+            exc = rq.query.exception()
+            if exc is not None:
+                assert run.status is not None
+                run.status.state = st.Observed.FAILED
+                run.status.error = str(exc).splitlines()[0][:500]
+                self._heartbeat(run)
+                self.stop_all()
+                raise StepError(f"step {run.vertex!r} failed: {run.status.error}")
+
+    # ------------------------------------------------------------------ modes
+    def steps(self, only: list[str] | None = None) -> list[str]:
+        order = self.p.topological_order()
+        return [v for v in order if only is None or v in only]
+
+    def run_available_now(self, only: list[str] | None = None,
+                          on_step: Callable[[str, st.StepStatus], None] | None = None) -> dict[str, st.StepStatus]:
+        """Each step in topological order until it has processed what its inputs hold."""
+        out = {}
+        for vertex in self.steps(only):
+            run = self._start(vertex, available_now=True)
+            self._heartbeat(run)
+            for rq in run.queries:
+                rq.query.awaitTermination()
+            self._check_failed(run)
+            self._bookkeep(run)
+            assert run.status is not None
+            run.status.state = st.Observed.STOPPED
+            run.status.final_offsets = dict(run.status.committed)
+            self._heartbeat(run)
+            out[vertex] = run.status
+            if on_step:
+                on_step(vertex, run.status)
+        return out
+
+    def run_continuous(self, only: list[str] | None = None, poll: float = 0.5, heartbeat_every: float = 2.0,
+                       should_stop: Callable[[], bool] | None = None) -> dict[str, st.StepStatus]:
+        """All steps at once; returns when every step has drained (or ``should_stop``)."""
+        vertices = self.steps(only)
+        for v in vertices:
+            self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))
+            if self.nats.run(st.get_desired(self.nats.nc, self.p.name, v)) != st.Desired.RUNNING:
+                self.nats.run(st.set_desired(self.nats.nc, self.p.name, v, st.Desired.RUNNING))
+        for v in vertices:
+            self._heartbeat(self._start(v, available_now=False))
+        last_beat = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                for run in self.runs.values():
+                    if run.status and run.status.state == st.Observed.DRAINED:
+                        continue
+                    self._check_failed(run)
+                    self._bookkeep(run)
+                    self._follow_control(run)
+                beat = now - last_beat >= heartbeat_every
+                for run in self.runs.values():
+                    if beat or (run.status and run.status.state == st.Observed.DRAINED):
+                        self._heartbeat(run)
+                if beat:
+                    last_beat = now
+                if all(r.status and r.status.state == st.Observed.DRAINED for r in self.runs.values()):
+                    break
+                if should_stop is not None and should_stop():
+                    break
+                time.sleep(poll)
+        finally:
+            self.stop_all()
+        return {v: r.status for v, r in self.runs.items() if r.status}
+
+    def _follow_control(self, run: StepRun) -> None:
+        """Drain: freeze the end offsets, wait for them to be committed, then stop."""
+        from isbflow.connector.fastread import stream_state
+
+        status = run.status
+        assert status is not None
+        if not run.draining:
+            if self.nats.run(st.get_desired(self.nats.nc, self.p.name, run.vertex)) != st.Desired.DRAINING:
+                return
+            point = {}
+            for s in run.queries[0].inputs:
+                state = self.nats.run(stream_state(self.nats.nc, s))
+                point[s] = state.last_seq if state else 0
+            run.drain_point, run.draining = point, True
+            self.nats.run(st.put_drain_point(self.nats.nc, self.p.name, run.vertex, point))
+            status.state = st.Observed.DRAINING
+            self._heartbeat(run)
+            log.info("step %s draining up to %s", run.vertex, point)
+        assert run.drain_point is not None
+        done = all(
+            (self._committed(rq) or {}).get(s, 0) >= seq or seq == 0
+            for rq in run.queries for s, seq in run.drain_point.items()
+        ) and all(not rq.query.status.get("isDataAvailable") for rq in run.queries)
+        if not run.drain_point:  # a files source: drain when nothing is left to read
+            done = all(not rq.query.status.get("isDataAvailable") and not rq.query.status.get("isTriggerActive")
+                       for rq in run.queries)
+        if done:
+            for rq in run.queries:
+                rq.query.stop()
+            status.state = st.Observed.DRAINED
+            status.final_offsets = {**status.committed}
+            self._heartbeat(run)
+            log.info("step %s drained at %s", run.vertex, status.final_offsets)
+
+    def stop_all(self) -> None:
+        for run in self.runs.values():
+            for rq in run.queries:
+                try:
+                    if rq.query.isActive:
+                        rq.query.stop()
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    log.exception("stopping %s", rq.query.name)
+
+    def close(self) -> None:
+        self.stop_all()
+        self.nats.close()
