@@ -1,9 +1,11 @@
-"""The demo pipeline end to end on a real nats-server and a real SparkSession."""
+"""The demo pipeline end to end on a real nats-server and a real SparkSession:
+available-now (the batch mode) and continuous with the drain protocol."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import Counter
 
 import pytest
@@ -11,8 +13,10 @@ from deltalake import DeltaTable
 
 from isbflow.connector.dlq import read_dead_letters
 from isbflow.isb import provision, reference
+from isbflow.isb.connect import connect
 from isbflow.produce import is_malformed, produce
 from isbflow.spec import load_specs
+from isbflow.steps.drain import drain_pipeline
 from isbflow.steps.runner import PipelineRunner, spark_session
 from isbflow.steps.state import Observed
 from tests.conftest import ROOT
@@ -83,3 +87,41 @@ def test_available_now_end_to_end(spark, demo):
         key = (row["window_start"].replace(tzinfo=None), row["service"])
         assert row["count"] == recomputed[key], key
     assert len({(r["window_start"], r["service"]) for r in agg}) == len(agg)
+
+
+def test_continuous_then_drain_processes_everything_once(spark, demo):
+    specs, p, settings, data_dir = demo
+    publish(settings, p, 3000)
+    runner = PipelineRunner(spark, specs, p, settings, data_dir, processing_time="500 milliseconds")
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = runner.run_continuous(poll=0.3)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assertion below
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        publish(settings, p, 2000, start=3000)  # while it runs
+        assert t.is_alive(), f"runner stopped early: {result.get('error')!r}"
+
+        async def drain():
+            nc = await connect(settings)
+            try:
+                return await drain_pipeline(nc, p, timeout=240)
+            finally:
+                await nc.close()
+
+        final = asyncio.run(drain())
+        t.join(60)
+    finally:
+        runner.stop_all()
+        t.join(30)
+        runner.close()
+    assert "error" not in result, result.get("error")
+    assert set(final) == set(p.topological_order())
+    assert all(s.state == Observed.DRAINED for s in final.values())
+    assert final["in"].final_offsets == {"src-logs-in": 5000}
+    check_sinks(data_dir, settings, p, good_ids(0, 5000))

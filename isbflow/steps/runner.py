@@ -270,6 +270,8 @@ class PipelineRunner:
 
         v = self.p.vertex(vertex)
         run = StepRun(vertex)
+        # Spark looks data sources up through the calling thread's active session
+        self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
         df = self._apply(vertex, self._read(vertex))
         inputs = self.input_streams(vertex)
         targets: list[tuple[str | None, Any]] = []
