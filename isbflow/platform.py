@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from isbflow.isb import server as nats_server
 from isbflow.isb.connect import NatsSettings
-from isbflow.isb.server import _pid_alive as pid_alive
+from isbflow.isb.server import pid_alive
 
 if TYPE_CHECKING:
     from isbflow.spec.models import JetStreamSettings

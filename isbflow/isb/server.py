@@ -106,7 +106,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -122,7 +122,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _node_alive(node: NodeState) -> bool:
     """The recorded PID still runs *our* nats-server (not a process that reused the PID)."""
-    if not _pid_alive(node.pid):
+    if not pid_alive(node.pid):
         return False
     try:
         with open(f"/proc/{node.pid}/cmdline", "rb") as f:
@@ -352,7 +352,7 @@ def _kill_nodes(nodes: list[NodeState], timeout: float = 10.0) -> None:
             pass
     deadline = time.monotonic() + timeout
     for n in ours:
-        while _pid_alive(n.pid) and time.monotonic() < deadline:
+        while pid_alive(n.pid) and time.monotonic() < deadline:
             try:  # reap if it is our child
                 os.waitpid(n.pid, os.WNOHANG)
             except ChildProcessError:
