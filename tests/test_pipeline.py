@@ -138,3 +138,34 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     assert all(s.state == Observed.DRAINED for s in final.values())
     assert final["in"].final_offsets == {"src-logs-in": 5000}
     check_sinks(data_dir, settings, p, good_ids(0, 5000))
+
+
+@pytest.mark.parametrize("retention", ["WorkQueue", "Interest"])
+def test_buffers_are_released_after_the_downstream_commit(spark, nats_server, tmp_path, retention):
+    """With WorkQueue/Interest retention every buffer is empty once the run has
+    committed downstream, and the sinks are complete: space went only after the commit."""
+    import yaml
+
+    from isbflow.isb import naming
+
+    docs = list(yaml.safe_load_all((ROOT / "pipelines" / "logs.yaml").read_text()))
+    docs[0]["spec"]["jetstream"]["bufferConfig"]["stream"]["retention"] = retention
+    path = tmp_path / "logs.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    specs = load_specs(path)
+    p = specs.only_pipeline()
+    settings = nats_server.settings
+    asyncio.run(provision.apply(settings, specs))
+    rows = json.loads((ROOT / "pipelines" / "reference" / "services.json").read_text())
+    asyncio.run(reference.put(settings, p.name, "services", rows))
+    publish(settings, p, 3000)
+    runner = PipelineRunner(spark, specs, p, settings, tmp_path)
+    try:
+        runner.run_available_now()
+    finally:
+        runner.close()
+    check_sinks(tmp_path, settings, p, good_ids(0, 3000))
+    streams = [naming.source_stream(p, "in")] + [ep.stream for ep in naming.edge_partitions(p)]
+    held = asyncio.run(provision.status(settings, specs))
+    left = {s.name: s.messages for s in held if s.name in streams and s.messages}
+    assert left == {}, f"{retention} buffers still hold messages after the downstream commit: {left}"
