@@ -56,3 +56,28 @@ def nats_server(tmp_path_factory):
 def nats_cluster(tmp_path_factory):
     """A fresh 3-node JetStream cluster (R3 capable) on loopback, for one test."""
     yield from _start(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One SparkSession (local[2], loopback, UTC) for the whole suite, with every
+    isbflow data source registered plus the in-memory test source ``isb-memory``."""
+    from pyspark import SparkContext
+
+    from isbflow.steps.runner import spark_session
+    from tests.memory_source import MemoryDataSource
+
+    session = spark_session("local[2]", app_name="isbflow-tests", conf={"spark.ui.enabled": "false"})
+    session.dataSource.register(MemoryDataSource)
+    session.sparkContext.setLogLevel("ERROR")
+    gateway = SparkContext._gateway
+    try:
+        yield session
+    finally:
+        session.stop()
+        proc = gateway.proc
+        gateway.shutdown()
+        proc.terminate()
+        proc.wait(timeout=60)
+        SparkContext._gateway = None
+        SparkContext._jvm = None

@@ -345,32 +345,6 @@ def test_interest_stream_without_consumer_keeps_nothing(nats_server):
 
 # ---------------------------------------------------------------- through Spark
 
-@pytest.fixture(scope="module")
-def spark():
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("test_connector_reader")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    session.dataSource.register(JetStreamDataSource)
-    gateway = SparkContext._gateway
-    try:
-        yield session
-    finally:
-        session.stop()
-        proc = gateway.proc
-        gateway.shutdown()
-        proc.terminate()
-        proc.wait(timeout=60)
-        SparkContext._gateway = None
-        SparkContext._jvm = None
-
-
 def _run_available_now(spark, df, checkpoint, on_batch=None):
     """Run df to completion with availableNow; returns ({batch id: sorted ids}, progress)."""
     got: dict[int, list] = {}

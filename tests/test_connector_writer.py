@@ -20,7 +20,6 @@ from nats.js.api import DiscardPolicy, StreamConfig
 from isbflow.connector import dlq
 from isbflow.connector.errors import ConnectorOptionError
 from isbflow.connector.options import settings_to_json
-from isbflow.connector.reader import JetStreamDataSource
 from isbflow.connector.writer import (
     PARTITION_COLUMN,
     InvalidPartitionColumn,
@@ -32,40 +31,13 @@ from isbflow.connector.writer import (
 from isbflow.isb import frames, naming
 from isbflow.isb.connect import connect
 from isbflow.spec.models import OnFull
-from tests.memory_source import MemoryDataSource, memory_rows
+from tests.memory_source import memory_rows
 
 PIPE, STEP, TO = "wp", "parse", "agg"
 WAIT = 60.0  # bound on every wait in this file
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
-
-
-@pytest.fixture(scope="module")
-def spark():
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("test_connector_writer")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    for source in (MemoryDataSource, JetStreamDataSource):
-        session.dataSource.register(source)
-    gateway = SparkContext._gateway
-    try:
-        yield session
-    finally:
-        session.stop()
-        proc = gateway.proc
-        gateway.shutdown()
-        proc.terminate()
-        proc.wait(timeout=60)
-        SparkContext._gateway = None
-        SparkContext._jvm = None
 
 
 def run(coro):

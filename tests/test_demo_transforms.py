@@ -7,7 +7,6 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from isbflow import produce as P
@@ -16,15 +15,6 @@ from spark_apps import logs
 from tests.conftest import ROOT
 
 SEED, COUNT = 11, 30_000  # 5 minutes of event time
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = (SparkSession.builder.master("local[2]").appName("test-demo-transforms")
-         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-         .config("spark.sql.session.timeZone", "UTC").getOrCreate())
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

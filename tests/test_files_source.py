@@ -6,28 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-from pyspark.sql import SparkSession
 
 from isbflow import produce as P
 from isbflow.connector.files import (
-    FilesDataSource,
+    FileSegment as Seg,
+)
+from isbflow.connector.files import (
     FilesSourceError,
     FilesStreamReader,
     Position,
     land,
 )
-from isbflow.connector.files import (
-    FileSegment as Seg,
-)
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = (SparkSession.builder.master("local[2]").appName("test-files-source")
-         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    s.dataSource.register(FilesDataSource)
-    yield s
-    s.stop()
 
 
 def _lines(seed: int, start: int, count: int) -> list[bytes]:

@@ -17,19 +17,11 @@ from isbflow.isb.connect import connect
 from isbflow.produce import is_malformed, produce
 from isbflow.spec import load_specs
 from isbflow.steps.drain import drain_pipeline
-from isbflow.steps.runner import PipelineRunner, spark_session
+from isbflow.steps.runner import PipelineRunner
 from isbflow.steps.state import Observed
 from tests.conftest import ROOT
 
 MALFORMED_EVERY = 500
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = spark_session("local[2]", app_name="isbflow-test-pipeline")
-    s.sparkContext.setLogLevel("ERROR")
-    yield s
-    s.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-from pyspark.sql import SparkSession
 
 from isbflow.cli.ref import read_rows, reference_key
 from isbflow.isb import reference as R
@@ -14,14 +13,6 @@ from isbflow.spec import load_specs
 from tests.conftest import ROOT
 
 SERVICES_FILE = ROOT / "pipelines" / "reference" / "services.json"
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = (SparkSession.builder.master("local[2]").appName("test-reference")
-         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    yield s
-    s.stop()
 
 
 def test_put_then_load_round_trips_and_skips_unchanged_rows(nats_server):

@@ -6,20 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from pyspark.sql import functions as F
 
 from isbflow.connector.options import settings_to_json
 from isbflow.isb import reference
-from isbflow.steps.runner import spark_session
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = spark_session("local[2]", app_name="isbflow-test-ref")
-    s.sparkContext.setLogLevel("ERROR")
-    yield s
-    s.stop()
 
 
 def test_stream_static_join_sees_a_changed_value(spark, nats_server, tmp_path):

@@ -27,7 +27,7 @@ from isbflow.sinks.delta import (
     sink_version,
     write_batch_files,
 )
-from tests.memory_source import MemoryDataSource, memory_rows
+from tests.memory_source import memory_rows
 
 APP = sink_app_id("logs", "out", "events")
 
@@ -35,33 +35,6 @@ pytestmark = pytest.mark.slow
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def spark():
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("test_sink_delta")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    for source in (MemoryDataSource, DeltaSinkDataSource, FlakyDeltaSink):
-        session.dataSource.register(source)
-    gateway = SparkContext._gateway
-    try:
-        yield session
-    finally:
-        session.stop()
-        proc = gateway.proc
-        gateway.shutdown()
-        proc.terminate()
-        proc.wait(timeout=60)
-        SparkContext._gateway = None
-        SparkContext._jvm = None
 
 
 class FlakyDeltaSink(DeltaSinkDataSource):
@@ -397,3 +370,8 @@ def test_replace_range_replaces_exactly_the_range_in_one_commit(tmp_path):
     assert replaced["value"].to_pylist() == [-1.0] * 5
     # the version before still reads the old range: the replacement was one atomic commit
     assert DeltaTable(path, version=before).to_pyarrow_table().num_rows == 100
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register_flaky_sink(spark):
+    spark.dataSource.register(FlakyDeltaSink)
