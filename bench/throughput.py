@@ -1,0 +1,621 @@
+"""Throughput benchmark of the engine (issue 9 item 8): A, B, C, D, E, F, G, H; see bench/README.md.
+
+    python bench/throughput.py [--quick] [--records N] [--events N] [--out bench/results/throughput.json]
+
+Starts its own embedded nats-server (file storage, in a temporary data dir,
+stopped by PID at the end) and one SparkSession ``local[2]``, runs every
+measurement, writes one JSON document (machine, load average at start and
+end, every figure, the ratios against the targets) and prints a table of the
+targets, met or missed. Targets are reported, never asserted: the machine is
+shared, so ratios from one run hold and absolute seconds do not.
+
+Every Spark measurement reports the whole run (records / wall seconds from
+``start()`` to the end of the query) and the steady state (batches >= 1 from
+``recentProgress``: batch 0 carries seconds of warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:0] = [str(BENCH), str(ROOT)]
+# Spark's Python workers import this folder's _common (the memory source): hand them the path.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(BENCH), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+import _common as cm  # noqa: E402
+
+SPEC = f"""
+apiVersion: isbflow.io/v1alpha1
+kind: InterStepBufferService
+metadata:
+  name: default
+spec:
+  jetstream:
+    url: embedded
+    replicas: 1
+    persistence: true
+    settings:
+      max_payload: 8MiB
+    bufferConfig:
+      stream:
+        retention: Limits
+        maxMsgs: -1
+        maxBytes: -1
+        maxAge: 72h
+        storage: file
+        replicas: 1
+        duplicates: 2m
+---
+apiVersion: isbflow.io/v1alpha1
+kind: Pipeline
+metadata:
+  name: bench
+spec:
+  interStepBufferServiceName: default
+  vertices:
+    - name: in
+      source:
+        jetstream:
+          subject: bench.events
+        schema: "{cm.SOURCE_DDL}"
+    - name: live
+      source:
+        jetstream:
+          subject: bench.live
+        schema: "{cm.SOURCE_DDL}, pub_ns BIGINT"
+    - name: raw
+      partitions: 2
+      sink:
+        delta:
+          path: sinks/raw
+    - name: liveraw
+      sink:
+        delta:
+          path: sinks/liveraw
+  edges:
+    - from: in
+      to: raw
+    - from: live
+      to: liveraw
+"""
+
+TARGETS = [  # key, label, comparison, bound
+    ("a_over_b", "A/B (frames vs Spark JSON files), whole run", ">=", 1.5),
+    ("a_over_h", "A/H (frames vs in-memory ceiling), steady state", ">=", 0.7),
+    ("a_over_c", "A/C (frames vs one record per message), whole run", ">=", 10),
+    ("e_over_d", "E/D (connector events vs nats-py fetch loop)", ">=", 4),
+    ("latency_p50_s", "F latency p50 (s)", "<=", 1.0),
+    ("latency_p99_s", "F latency p99 (s)", "<=", 3.0),
+    ("replay_over_first", "G replay / first read, whole run", ">=", 0.9),
+    ("peak_rss_bytes", "peak RSS bench + JVM + workers (bytes)", "<=", 1.5 * 1024**3),
+]
+
+
+@dataclass
+class Config:
+    records: int  # A, B, G, H
+    events: int  # C, D, E
+    live_seconds: float
+    live_rate: float
+    trigger: str
+    json_files: int
+    frame_rows: int
+
+    @property
+    def batch_rows(self) -> int:
+        return max(1, self.records // 5)
+
+    @property
+    def event_batch_rows(self) -> int:
+        return max(1, self.events // 5)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ producing
+
+
+async def publish_frames(settings, subjects: list[str], total: int, frame_rows: int, max_payload: int) -> dict:
+    """Records 0..total-1 as Arrow frames, round-robin over ``subjects``, acked publishes, 16 in flight."""
+    from isbflow.isb import frames
+    from isbflow.isb.connect import connect
+
+    nc = await connect(settings, name="bench-frames")
+    js = nc.jetstream()
+    t0, n, encode_s = cm.now(), 0, 0.0
+    pending: list[asyncio.Future] = []
+    try:
+        for lo in range(0, total, 100_000):
+            e0 = cm.now()
+            split = frames.split_frames(cm.records(lo, min(total, lo + 100_000)), max_payload, frame_rows)
+            encode_s += cm.now() - e0
+            for fr in split.frames:
+                headers = {frames.HDR_FRAME: frames.FRAME_FORMAT, frames.HDR_ROWS: str(fr.rows)}
+                pending.append(asyncio.ensure_future(
+                    js.publish(subjects[n % len(subjects)], fr.payload, timeout=60, headers=headers)))
+                n += 1
+                if len(pending) >= 16:
+                    await pending.pop(0)
+        await asyncio.gather(*pending)
+    finally:
+        await nc.close()
+    s = cm.now() - t0
+    return {"records": total, "frames": n, "frame_rows": frame_rows, "seconds": round(s, 3),
+            "records_per_s": round(total / s, 1), "encode_seconds": round(encode_s, 3)}
+
+
+def publish_live_main() -> None:
+    """Subprocess: publish ``rate`` events/s for ``seconds`` to ``subject`` with the publish time
+    (``pub_ns``) in each event; acked; prints a JSON summary. Settings JSON comes on stdin."""
+    from isbflow.connector.options import settings_from_json
+    from isbflow.isb.connect import connect
+
+    req = json.loads(sys.stdin.read())
+    settings = settings_from_json(req["settings"])
+    _, prefixes = cm._base()
+    rate, seconds, subject = float(req["rate"]), float(req["seconds"]), req["subject"]
+    n = int(rate * seconds)
+
+    async def run() -> dict:
+        nc = await connect(settings, name="bench-live")
+        inbox = nc.new_inbox()
+        st = {"acked": 0, "errors": 0}
+
+        async def on_ack(m) -> None:
+            st["acked"] += 1
+            if not m.data or b'"error"' in m.data:
+                st["errors"] += 1
+
+        await nc.subscribe(inbox, cb=on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
+        t0, i, behind = time.monotonic(), 0, 0.0
+        while i < n:
+            due = min(n, int((time.monotonic() - t0) * rate) + 1)
+            behind = max(behind, (due - i) / rate)
+            while i < due:
+                body = f'{prefixes[i % cm.BASE_ROWS]},"pub_ns":{time.time_ns()}}}'.encode()
+                await nc.publish(subject, body, reply=inbox)
+                i += 1
+                while i - st["acked"] > 20_000:
+                    await asyncio.sleep(0.001)
+            await asyncio.sleep(0.002)
+        sent_s = time.monotonic() - t0
+        deadline = time.monotonic() + 30
+        while st["acked"] < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await nc.close()
+        return {"published": n, "acked": st["acked"], "errors": st["errors"], "seconds": round(sent_s, 3),
+                "achieved_rate": round(n / sent_s, 1), "max_behind_schedule_s": round(behind, 3)}
+
+    print(json.dumps(asyncio.run(run())))
+
+
+# ------------------------------------------------------------------ measuring
+
+
+class Bench:
+    def __init__(self, cfg: Config, work: Path, spark, settings, specs, sampler):
+        self.cfg, self.work, self.spark, self.settings, self.specs = cfg, work, spark, settings, specs
+        self.p = specs.only_pipeline()
+        self.sampler = sampler
+        from isbflow.connector.options import settings_to_json
+
+        self.settings_json = settings_to_json(settings)
+
+    def _sink(self, df, name: str, records: int, trigger: dict | None = None, sink: str = "isb-delta"):
+        """Start ``df`` into a fresh isb-delta table (or Spark's ``noop`` sink), availableNow unless
+        ``trigger``."""
+        path, ckpt = self.work / "sinks" / name, self.work / "checkpoints" / name
+        self.sampler.phase = name
+        self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
+        w = df.writeStream.format(sink).option("checkpointLocation", str(ckpt)).queryName(f"bench-{name}")
+        if sink == "isb-delta":
+            w = w.option("path", str(path)).option("appId", f"bench/{name}")
+        t0 = cm.now()
+        q = w.trigger(**(trigger or {"availableNow": True})).start()
+        return q, path, t0
+
+    def _finish(self, q, path: Path, t0: float, records: int) -> dict:
+        q.awaitTermination()
+        seconds = cm.now() - t0
+        if q.exception() is not None:
+            raise RuntimeError(f"query {q.name} failed: {q.exception()}")
+        progress = [json.loads(p.json) for p in q.recentProgress]
+        out = cm.progress_rates(progress, records, seconds)
+        out["sink_rows"] = cm.sink_rows(str(path)) if path.exists() else sum(p["numInputRows"] for p in progress)
+        out["complete"] = out["sink_rows"] == records
+        peak = self.sampler.peaks.get(self.sampler.phase)
+        out["peak_rss_bytes"] = peak["rss_bytes"] if peak else None
+        return out
+
+    def run(self, df, name: str, records: int, sink: str = "isb-delta") -> dict:
+        """One measurement; a failed query is recorded as ``{"error": ...}`` and the run goes on."""
+        try:
+            q, path, t0 = self._sink(df, name, records, sink=sink)
+            out = self._finish(q, path, t0, records)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON, the other measurements still run
+            log(f"{name}: FAILED {str(e).splitlines()[0][:300]}")
+            return {"error": str(e)[:3000], "records": records, "records_per_s": None,
+                    "steady_records_per_s": None, "complete": False, "sink_rows": None, "batches": []}
+        log(f"{name}: {out['records_per_s']} rec/s whole, {out['steady_records_per_s']} steady, "
+            f"sink rows {out['sink_rows']}/{records}")
+        return out
+
+    # -- sources
+    def memory(self, rows: int):
+        return (self.spark.readStream.format("isb-bench-memory").option("rows", str(rows))
+                .option("batchRows", str(max(1, rows // 5))).option("partitions", "2").load())
+
+    def frames(self):
+        from isbflow.isb import naming
+
+        streams = [ep.stream for ep in naming.edge_partitions(self.p) if ep.to_vertex == "raw"]
+        return (self.spark.readStream.format("jetstream").option("settings", self.settings_json)
+                .option("streams", ",".join(streams)).option("mode", "frames")
+                .option("frameRows", str(self.cfg.frame_rows))
+                .option("readMaxRows", str(self.cfg.batch_rows)).schema(cm.record_struct()).load())
+
+    def events(self, source: str, batch_rows: int):
+        from isbflow.isb import naming
+
+        return (self.spark.readStream.format("jetstream").option("settings", self.settings_json)
+                .option("streams", naming.source_stream(self.p, source)).option("mode", "events")
+                .option("sourceName", source).option("readMaxRows", str(batch_rows)).load())
+
+
+def fetch_loop(settings, stream: str, subject: str, count: int, batch: int = 1000) -> dict:
+    """D: the naive client: an ephemeral pull consumer (AckNone) and ``fetch(batch)`` until ``count``
+    messages; ``json.loads`` timed apart so both fetch-only and fetch+parse rates are reported."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from isbflow.isb.connect import connect
+
+    async def run() -> dict:
+        nc = await connect(settings, name="bench-fetch")
+        js = nc.jetstream()
+        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                             inactive_threshold=60.0)
+        psub = await js.pull_subscribe(subject, stream=stream, config=cfg)
+        got, parse_s = 0, 0.0
+        t0 = cm.now()
+        while got < count:
+            msgs = await psub.fetch(batch=min(batch, count - got), timeout=10)
+            got += len(msgs)
+            p0 = cm.now()
+            for m in msgs:
+                json.loads(m.data)
+            parse_s += cm.now() - p0
+        total = cm.now() - t0
+        await psub.unsubscribe()
+        await nc.close()
+        fetch_s = total - parse_s
+        return {"records": got, "fetch_batch": batch, "seconds": round(total, 3),
+                "records_per_s": round(got / fetch_s, 1), "fetch_and_parse_records_per_s": round(got / total, 1),
+                "parse_seconds": round(parse_s, 3)}
+
+    return asyncio.run(run())
+
+
+def live_latency(bench: Bench, cfg: Config, settings_json: str) -> dict:
+    """F: events at a fixed rate from a subprocess, a continuous events -> from_json -> Delta query."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from pyspark.sql import functions as F
+
+    src = bench.events("live", max(1, int(cfg.live_rate * 5)))
+    ddl = f"{cm.SOURCE_DDL}, pub_ns BIGINT"
+    df = src.select(F.from_json("value", ddl).alias("r"), "_isb_id", "_isb_ts").select("r.*", "_isb_id", "_isb_ts")
+    q, path, t0 = bench._sink(df, "F", 0, trigger={"processingTime": cfg.trigger})
+    time.sleep(3)  # the query's first (empty) batch
+    req = json.dumps({"settings": settings_json, "subject": "bench.live", "rate": cfg.live_rate,
+                      "seconds": cfg.live_seconds})
+    pub = subprocess.run([sys.executable, __file__, "--publish-live"], input=req, capture_output=True,
+                         text=True, timeout=cfg.live_seconds * 3 + 120)
+    if pub.returncode != 0:
+        q.stop()
+        raise RuntimeError(f"live publisher failed: {pub.stderr[-2000:]}")
+    published = json.loads(pub.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 60
+    while cm.sink_rows(str(path)) < published["acked"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    q.stop()
+    progress = [json.loads(p.json) for p in q.recentProgress]
+    commits = cm.delta_commits(str(path))
+    lat, store_lat, pub_t = [], [], []
+    for c in commits:
+        for a in c["adds"]:
+            t = pq.read_table(str(path / a), columns=["pub_ns", "_isb_ts"])
+            pub_s = t.column("pub_ns").to_numpy() / 1e9
+            store_s = t.column("_isb_ts").cast("int64").to_numpy() / 1e6
+            lat.append(c["visible_s"] - pub_s)
+            store_lat.append(c["visible_s"] - store_s)
+            pub_t.append(pub_s)
+    lat_a = np.sort(np.concatenate(lat)) if lat else np.array([])
+    pub_a = np.concatenate(pub_t) if pub_t else np.array([])
+    warm = np.sort(np.concatenate(lat)[pub_a >= pub_a.min() + 10]) if len(pub_a) else np.array([])
+    store_a = np.sort(np.concatenate(store_lat)) if store_lat else np.array([])
+    batches = [p for p in progress if p["numInputRows"] > 0]
+    dur = sorted(p["durationMs"].get("triggerExecution", 0) for p in batches)
+    return {
+        "publisher": published,
+        "trigger": f"processingTime {cfg.trigger}",
+        "records_visible": int(len(lat_a)),
+        "latency_p50_s": cm.percentile(lat_a, 0.5), "latency_p99_s": cm.percentile(lat_a, 0.99),
+        "latency_max_s": float(lat_a[-1]) if len(lat_a) else None,
+        "after_first_10s": {"records": int(len(warm)), "p50_s": cm.percentile(warm, 0.5),
+                            "p99_s": cm.percentile(warm, 0.99)},
+        "from_store_time": {"p50_s": cm.percentile(store_a, 0.5), "p99_s": cm.percentile(store_a, 0.99)},
+        "commits": len(commits), "nonempty_batches": len(batches),
+        "batch_ms_p50": cm.percentile(dur, 0.5), "batch_ms_p99": cm.percentile(dur, 0.99),
+        "batch_rows_p50": cm.percentile(sorted(p["numInputRows"] for p in batches), 0.5),
+        "peak_rss_bytes": (bench.sampler.peaks.get("F") or {}).get("rss_bytes"),
+        "method": ("each event carries its publish time (pub_ns, time.time_ns() just before the "
+                   "publish call, in the publisher subprocess); its visible time is the mtime of the "
+                   "_delta_log/<version>.json that added the Parquet file holding it (the moment a "
+                   "reader can see the commit; same host clock). latency = visible - pub_ns, over "
+                   "every record; after_first_10s drops records published in the first 10 s; "
+                   "from_store_time uses JetStream's store time (_isb_ts) instead of pub_ns."),
+    }
+
+
+# ------------------------------------------------------------------ the run
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes everywhere (~2-3 minutes)")
+    ap.add_argument("--records", type=int, help="records for A, B, G, H (default 5,000,000; quick 40,000)")
+    ap.add_argument("--events", type=int, help="one-record messages for C, D, E (default 1,000,000; quick 20,000)")
+    ap.add_argument("--live-seconds", type=float, help="F duration (default 120; quick 15)")
+    ap.add_argument("--live-rate", type=float, help="F events/s (default 20000; quick 2000)")
+    ap.add_argument("--trigger", default="200 milliseconds", help="F processingTime trigger")
+    ap.add_argument("--out", default=str(BENCH / "results" / "throughput.json"))
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also run H, A and B into Spark's noop sink (what the reads cost without the sink)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary data dir")
+    ap.add_argument("--publish-live", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.publish_live:
+        publish_live_main()
+        return
+    q = args.quick
+    records = args.records or (40_000 if q else 5_000_000)
+    cfg = Config(
+        records=records, events=args.events or (20_000 if q else 1_000_000),
+        live_seconds=args.live_seconds or (15 if q else 120), live_rate=args.live_rate or (2000 if q else 20_000),
+        trigger=args.trigger, json_files=20 if q else 50,
+        frame_rows=max(100, min(10_000, records // 20)),
+    )
+    result = run(cfg, args.keep, args.diagnose)
+    result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print_table(result)
+    print(f"wrote {out}")
+
+
+def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
+    from pyspark.sql import functions as F
+
+    from isbflow.isb import naming, provision
+    from isbflow.isb.connect import resolve_settings
+    from isbflow.isb.server import start_embedded, stop_embedded
+    from isbflow.produce import produce
+    from isbflow.spec import load_specs
+    from isbflow.steps.runner import PipelineRunner, spark_session
+
+    result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": cfg.__dict__ | {
+                        "batch_rows": cfg.batch_rows, "event_batch_rows": cfg.event_batch_rows}}
+    work = Path(tempfile.mkdtemp(prefix="isbflow-bench-"))
+    spark = sampler = None
+    nats_started = False
+    try:
+        (work / "spec.yaml").write_text(SPEC)
+        specs = load_specs(work / "spec.yaml")
+        p = specs.only_pipeline()
+        state = start_embedded(work, max_file_store=40 * 1024**3)
+        nats_started = True
+        nats_pid = state.nodes[0].pid
+        settings = resolve_settings(data_dir=work)
+        asyncio.run(provision.apply(settings, specs))
+        log(f"nats-server pid {nats_pid} at {work}")
+        spark = spark_session("local[2]", app_name="isbflow-bench", conf={
+            "spark.sql.streaming.numRecentProgressUpdates": "5000"})
+        spark.sparkContext.setLogLevel("ERROR")
+        spark.dataSource.register(cm.BenchMemorySource)
+        jvm_pid = spark.sparkContext._gateway.proc.pid
+        sampler = cm.RssSampler(jvm_pid).start()
+        bench = Bench(cfg, work, spark, settings, specs, sampler)
+        max_payload = specs.service_for(p).spec.jetstream.settings.max_payload
+
+        # ---- data (not timed as part of any measurement)
+        sampler.phase = "produce"
+        subjects = [ep.subject for ep in naming.edge_partitions(p) if ep.to_vertex == "raw"]
+        log(f"publishing {cfg.records} records as frames")
+        result["produce_frames"] = asyncio.run(publish_frames(settings, subjects, cfg.records, cfg.frame_rows,
+                                                              max_payload))
+        log(f"frames: {result['produce_frames']['records_per_s']} rec/s")
+        log(f"publishing {cfg.events} one-record events")
+        rep = asyncio.run(produce(settings, p, "in", count=cfg.events, seed=cm.SEED))
+        result["produce_events"] = rep.to_json()
+        log(f"events: {rep.rate:.0f} msg/s")
+        json_dir = work / "json"
+        cm.write_json_lines(json_dir, cfg.records, cfg.json_files)
+
+        # ---- warm-up (not reported): JIT, Python workers, Delta code paths
+        sampler.phase = "warmup"
+        bench.run(bench.memory(min(cfg.records, 200_000)), "warmup", min(cfg.records, 200_000))
+
+        result["H"] = bench.run(bench.memory(cfg.records), "H", cfg.records)
+        result["A"] = bench.run(bench.frames(), "A", cfg.records)
+        result["G"] = {"replay": bench.run(bench.frames(), "G", cfg.records)}
+        per_trigger = max(1, cfg.json_files // 5)
+        b_df = (spark.readStream.schema(cm.record_struct()).option("maxFilesPerTrigger", str(per_trigger))
+                .json(str(json_dir)))
+        result["B"] = bench.run(b_df, "B", cfg.records)
+        result["B"]["source"] = f"Spark JSON file source, {cfg.json_files} files, maxFilesPerTrigger={per_trigger}"
+
+        if diagnose:
+            result["diagnostics_noop_sink"] = {
+                "H": bench.run(bench.memory(cfg.records), "H-noop", cfg.records, sink="noop"),
+                "A": bench.run(bench.frames(), "A-noop", cfg.records, sink="noop"),
+                "B": bench.run(spark.readStream.schema(cm.record_struct())
+                               .option("maxFilesPerTrigger", str(per_trigger)).json(str(json_dir)),
+                               "B-noop", cfg.records, sink="noop"),
+            }
+
+        runner = PipelineRunner(spark, specs, p, settings, work)
+        try:
+            parsed = runner._apply("in", bench.events("in", cfg.event_batch_rows))
+        finally:
+            runner.close()
+        c_df = parsed.where(F.col("_isb_error").isNull()).drop("_isb_error", "_isb_raw")
+        result["C"] = bench.run(c_df, "C", cfg.events)
+        result["C"]["path"] = "jetstream events mode -> the runner's source parse (from_json + error columns) -> isb-delta"
+        e_df = (bench.events("in", cfg.event_batch_rows).select(F.from_json("value", cm.SOURCE_DDL).alias("r"), "_isb_id")
+                .select("r.*", "_isb_id"))
+        result["E"] = bench.run(e_df, "E", cfg.events)
+        result["E"]["path"] = "jetstream events mode -> from_json -> isb-delta"
+
+        sampler.phase = "D"
+        log("D: nats-py fetch loop")
+        try:
+            result["D"] = fetch_loop(settings, naming.source_stream(p, "in"), "bench.events", cfg.events)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            result["D"] = {"error": str(e)[:3000], "records_per_s": None, "fetch_and_parse_records_per_s": None}
+        log(f"D: {result['D']['records_per_s']} rec/s fetch-only")
+
+        log(f"F: {cfg.live_rate:.0f} events/s for {cfg.live_seconds:.0f} s")
+        try:
+            result["F"] = live_latency(bench, cfg, bench.settings_json)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            log(f"F: FAILED {str(e)[:300]}")
+            result["F"] = {"error": str(e)[:3000], "latency_p50_s": None, "latency_p99_s": None}
+        log(f"F: p50 {result['F']['latency_p50_s']} p99 {result['F']['latency_p99_s']}")
+        sampler.phase = "end"
+        nats_rss = cm.status_bytes(nats_pid, "VmRSS")
+        result["nats_server_rss_bytes_at_end"] = nats_rss
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        if spark is not None:
+            spark.stop()
+        if nats_started:
+            stop_embedded(work)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result["load_average_end"] = list(os.getloadavg())
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    summarize(result, sampler)
+    return result
+
+
+def summarize(r: dict, sampler) -> None:
+    a, b, c, d, e, g, h = (r[k] for k in ("A", "B", "C", "D", "E", "G", "H"))
+    g["first"] = {k: a.get(k) for k in ("records_per_s", "steady_records_per_s", "seconds")}
+    g["replay_over_first_steady"] = ratio(g["replay"]["steady_records_per_s"], a["steady_records_per_s"])
+    measured = {k: v for k, v in sampler.peaks.items() if k not in ("setup", "produce", "all", "end")}
+    peak = max(measured.values(), key=lambda s: s["rss_bytes"])
+    peak_phase = next(k for k, v in measured.items() if v is peak)
+    r["memory"] = {"peak_during_measurements": peak, "peak_phase": peak_phase,
+                   "peak_overall_incl_data_prep": sampler.peaks.get("all"),
+                   "per_phase_rss_bytes": {k: v["rss_bytes"] for k, v in sampler.peaks.items()}}
+    r.update({
+        "a_over_b": ratio(a["records_per_s"], b["records_per_s"]),
+        "a_over_h": ratio(a["steady_records_per_s"], h["steady_records_per_s"]),
+        "a_over_c": ratio(a["records_per_s"], c["records_per_s"]),
+        "e_over_d": ratio(e["records_per_s"], d["records_per_s"]),
+        "replay_over_first": ratio(g["replay"]["records_per_s"], a["records_per_s"]),
+        "latency_p50_s": r["F"]["latency_p50_s"],
+        "latency_p99_s": r["F"]["latency_p99_s"],
+        "peak_rss_bytes": peak["rss_bytes"],
+    })
+    r["ratios_other_basis"] = {
+        "a_over_b_steady": ratio(a["steady_records_per_s"], b["steady_records_per_s"]),
+        "a_over_h_whole": ratio(a["records_per_s"], h["records_per_s"]),
+        "a_over_c_steady": ratio(a["steady_records_per_s"], c["steady_records_per_s"]),
+        "e_over_d_fetch_and_parse": ratio(e["records_per_s"], d["fetch_and_parse_records_per_s"]),
+        "e_steady_over_d": ratio(e["steady_records_per_s"], d["records_per_s"]),
+        "replay_over_first_steady": g["replay_over_first_steady"],
+    }
+    r["ratio_basis"] = {
+        "a_over_b": "whole run (records / wall seconds of each query)",
+        "a_over_h": "steady state (batches >= 1), as the issue states",
+        "a_over_c": "whole run", "replay_over_first": "whole run",
+        "e_over_d": "E whole run over D fetch-only (json.loads time excluded: the faster D, the harder target)",
+        "peak_rss_bytes": "max over the measured phases (warm-up, H, A, G, B, C, E, D, F) of the sum of "
+                          "VmRSS of the bench process, the Spark driver JVM and all its descendants "
+                          "(Python daemon and workers), sampled every 0.5 s; shared pages of forked "
+                          "workers count once per process (the PSS sum beside it counts them once)",
+    }
+    r["targets"] = [{"key": k, "label": label, "value": r[k], "target": f"{op} {bound:g}",
+                     "met": None if r[k] is None else (r[k] >= bound if op == ">=" else r[k] <= bound)}
+                    for k, label, op, bound in TARGETS]
+    r["notes"] = [
+        "Records: A, B, G and H read the same rows (bench/_common.records: demo events of "
+        "isbflow.produce, 10,000 distinct ones repeated, unique _isb_id); C, D, E read one-record "
+        "messages published by isbflow.produce.produce (the demo producer, seed 7).",
+        "A: frames were pre-filled (split_frames + acked publishes from this process, not timed; "
+        "rate in produce_frames) into the two partition streams of the edge in->raw; the timed "
+        "query reads them with format jetstream mode frames into isb-delta, availableNow.",
+        "C and E read the same one-event-per-message stream through the same connector path "
+        "(events mode: an ephemeral push consumer per task). They differ only in the parse: C "
+        "uses the runner's source parse (from_json with the corrupt-record column and the "
+        "error/raw columns a step computes for its dead-letter routing, then keeps the good rows), "
+        "E a plain from_json a user would write for an external source. So C is 'one message "
+        "per datum' as the engine would run it on every edge, E the external source read alone; "
+        "with the same transport they are expected to be close.",
+        "G: the replay is a second query over the same frame buffer from offset 0 with a fresh "
+        "checkpoint and a fresh table, right after A (the first read).",
+        "A warm-up query (in-memory source, not reported) runs first so JIT and Python worker "
+        "start-up do not land on whichever measurement comes first.",
+        "The machine is shared (2 cores, other engineers' tests): compare ratios within one run; "
+        "absolute seconds vary with the load averages recorded at start and end.",
+    ]
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{'target':<58} {'value':>14} {'goal':>14}  result")
+    for t in r["targets"]:
+        v = t["value"]
+        shown = "n/a" if v is None else (f"{v / 1024**3:.2f} GiB" if t["key"] == "peak_rss_bytes" else f"{v:g}")
+        goal = t["target"]
+        if t["key"] == "peak_rss_bytes":
+            goal = "<= 1.5 GiB"
+        res = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        print(f"{t['label']:<58} {shown:>14} {goal:>14}  {res}")
+    print("\nrecords/s (whole run / steady state):")
+    for k in ("H", "A", "B", "C", "E"):
+        print(f"  {k}: {r[k]['records_per_s']!s:>12} / {r[k]['steady_records_per_s']}"
+              + (" (FAILED, see its error)" if "error" in r[k] else ""))
+    g = r["G"]["replay"]
+    print(f"  G replay: {g['records_per_s']!s:>5} / {g['steady_records_per_s']}")
+    print(f"  D fetch loop: {r['D']['records_per_s']} (with json.loads {r['D']['fetch_and_parse_records_per_s']})")
+    print(f"  produce frames: {r['produce_frames']['records_per_s']}  events: {r['produce_events']['rate']}")
+
+
+if __name__ == "__main__":
+    main()

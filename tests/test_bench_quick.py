@@ -1,0 +1,41 @@
+"""bench/throughput.py --quick runs end to end and writes every figure the issue asks for.
+
+Runs the benchmark as a subprocess (its own nats-server and SparkSession, both
+stopped by PID when it ends); checks the JSON's shape and that every measured
+query moved all its records into its sink. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+TOP_KEYS = ("a_over_b", "a_over_h", "a_over_c", "e_over_d", "replay_over_first",
+            "latency_p50_s", "latency_p99_s", "peak_rss_bytes")
+
+
+def test_quick_benchmark_writes_all_figures(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    for key in TOP_KEYS:
+        assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
+    for section in ("A", "B", "C", "E", "H"):
+        assert r[section]["complete"], (section, r[section]["sink_rows"], r[section]["records"])
+        assert r[section]["records_per_s"] > 0 and r[section]["steady_records_per_s"] > 0
+        assert len(r[section]["batches"]) >= 2, section  # several micro-batches: a steady state exists
+    assert r["G"]["replay"]["complete"]
+    assert r["D"]["records"] == r["config"]["events"]
+    f = r["F"]
+    assert f["publisher"]["acked"] == f["publisher"]["published"] == f["records_visible"]
+    assert f["latency_p50_s"] <= f["latency_p99_s"]
+    m = r["machine"]
+    assert m["cores"] and m["memory_bytes"] and m["pyspark"] and m["deltalake"] and "v2." in m["nats-server"]
+    assert len(r["load_average_start"]) == 3 and len(r["load_average_end"]) == 3
+    assert {t["key"] for t in r["targets"]} == set(TOP_KEYS)
+    assert "met" in proc.stdout or "MISSED" in proc.stdout
