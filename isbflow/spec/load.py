@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from isbflow.spec.models import VERTEX_ROLES, InterStepBufferService, Pipeline
+from isbflow.spec.models import NAME_PATTERN, VERTEX_ROLES, InterStepBufferService, Pipeline
 
 KINDS: dict[str, type[BaseModel]] = {
     "Pipeline": Pipeline,
@@ -456,11 +456,20 @@ def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str
     raw_quality = spec.get("quality", [])
     if complete and isinstance(raw_quality, list):
         sinks = sorted(n for n, r in roles.items() if r == "sink")
+        # a vertex with an invalid name has its own error; a quality entry naming it is not a second one
+        names_valid = all(re.match(NAME_PATTERN, n) for n in roles)
+        first_entry: dict[str, int] = {}
         for i, q in enumerate(raw_quality):
             sink = q.get("sink") if isinstance(q, dict) else None
-            if isinstance(sink, str) and sink not in sinks:
+            if isinstance(sink, str) and sink not in sinks and names_valid:
                 out.append((("quality", i, "sink"),
                             f"no sink vertex named {sink!r} (sinks: {', '.join(sinks) or 'none'})"))
+            elif isinstance(sink, str) and sink in first_entry:
+                out.append((("quality", i, "sink"),
+                            f"sink {sink!r} already has a quality entry (quality[{first_entry[sink]}]): "
+                            "merge them into one"))
+            elif isinstance(sink, str):
+                first_entry[sink] = i
     return out
 
 

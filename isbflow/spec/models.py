@@ -21,6 +21,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -371,18 +372,66 @@ class QualityGate(StrEnum):
 
 
 class Expectation(_Model):
-    """One GX expectation by its name, e.g. ``expect_column_values_to_not_be_null``."""
+    """One GX expectation by its name, e.g. ``expect_column_values_to_not_be_null``.
+
+    The name must be one of GX's registered expectations and the argument
+    names known and complete (checked against the catalog of
+    :mod:`isbflow.quality.expectations`, without importing GX); values are
+    checked by constructing the GX expectation (``isbflow quality check`` and
+    every quality run).
+    """
 
     expectation: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("expectation")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from isbflow.quality.expectations import catalog_problems
+
+        problems = [m for f, m in catalog_problems(v, {}) if f == "expectation"]
+        if problems:
+            raise ValueError(problems[0])
+        return v
+
+    @field_validator("kwargs")
+    @classmethod
+    def _arguments(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from isbflow.quality.expectations import catalog_problems
+
+        name = info.data.get("expectation")
+        if isinstance(name, str):  # an unknown name was reported on its own field
+            problems = [f"{f.removeprefix('kwargs.')}: {m}" for f, m in catalog_problems(name, v)]
+            if problems:
+                raise ValueError("; ".join(problems))
+        return v
+
+
+class QualityRetention(_Model):
+    """How many quality reports a sink keeps: the newest ``runs``, none older than ``maxAge``.
+
+    Either bound may be left out (``null``); the older runs are pruned after each
+    run and the pruning is reported.
+    """
+
+    runs: int | None = Field(default=50, ge=1)
+    maxAge: Duration | None = None
+
 
 class SinkQuality(_Model):
+    """The quality gate of one sink: its expectations on top of the built-in checks.
+
+    ``freshness``: the newest event may be at most this old (built-in check);
+    ``schedule``: a cron expression or preset for the control plane (not used
+    by ``isbflow quality run``, which runs now).
+    """
+
     sink: str
     expectations: list[Expectation] = Field(default_factory=list)
     onFailure: QualityGate = QualityGate.FAIL
     schedule: str | None = None
     freshness: Duration | None = None
+    retention: QualityRetention = Field(default_factory=QualityRetention)
 
 
 class Replay(_Model):

@@ -1,0 +1,262 @@
+"""One quality run of one sink: read its current Delta version, check, report, gate, prune.
+
+:func:`run_quality` reads the sink's current version with Spark (the Parquet
+files ``DeltaTable(path).file_uris()`` lists; no Delta jars), runs the GX
+expectations (the spec's plus the built-in uniqueness of ``_isb_id`` for raw
+sinks) and the Spark built-in checks (:mod:`isbflow.quality.checks`), stores
+the report and its Data Docs page, prunes by the sink's retention and returns
+the :class:`QualityReport`. ``report.gate_failed`` is true when the run failed
+and the sink's gate is ``onFailure: fail`` (a ``warn`` gate never fails).
+
+The caller brings what needs the ISB service: the dead-lettered ids (for
+completeness; :func:`dead_letter_ids` reads them) and the expected schema
+(the upstream step's output, :func:`expected_schema`). Without an expected
+schema the schema check is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from isbflow.quality import checks
+from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
+from isbflow.spec.models import Pipeline, QualityGate, SinkQuality
+
+log = logging.getLogger(__name__)
+
+
+class QualityError(Exception):
+    """A quality run cannot start: no such sink, no table yet, ...; the message says what to do."""
+
+
+@dataclass
+class QualityReport:
+    """What one run found; :meth:`to_dict` is the stored JSON."""
+
+    run_id: str
+    pipeline: str
+    sink: str
+    kind: str
+    table_path: str
+    table_version: int
+    rows: int
+    time: str
+    gate: str
+    success: bool
+    checks: list[CheckResult]
+    offsets: dict[str, Any] | None = None
+    offsets_from: str | None = None
+    last_commit_offsets: dict[str, Any] | None = None  # the current commit's isb.offsets (that batch only)
+    docs: str | None = None
+    pruned: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.success]
+
+    @property
+    def gate_failed(self) -> bool:
+        return not self.success and self.gate == QualityGate.FAIL.value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "pipeline": self.pipeline, "sink": self.sink, "kind": self.kind,
+            "table_path": self.table_path, "table_version": self.table_version, "rows": self.rows,
+            "time": self.time, "gate": self.gate, "success": self.success, "gate_failed": self.gate_failed,
+            "offsets": self.offsets, "offsets_from": self.offsets_from,
+            "last_commit_offsets": self.last_commit_offsets,
+            "failures": [{"name": c.name, "unexpected_count": c.unexpected_count, "samples": c.samples,
+                          "origin": c.origin, "kwargs": c.kwargs} for c in self.failures],
+            "checks": [c.to_dict() for c in self.checks],
+            "docs": self.docs, "pruned": self.pruned, "timings": self.timings,
+        }
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
+    """The Delta table folder of sink vertex ``sink`` (relative paths live under the data dir)."""
+    try:
+        v = pipeline.vertex(sink)
+    except KeyError:
+        v = None
+    if v is None or v.sink is None:
+        sinks = [x.name for x in pipeline.spec.vertices if x.sink is not None]
+        raise QualityError(f"pipeline {pipeline.name!r} has no sink vertex {sink!r} (sinks: {', '.join(sinks)})")
+    path = Path(v.sink.delta.path)
+    return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
+
+
+def read_version(spark, path: str):
+    """(DataFrame of the table's current version, version, that commit's metadata)."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        table = DeltaTable(path)
+    except TableNotFoundError:
+        raise QualityError(f"no Delta table at {path}: the sink has not committed a batch yet; "
+                           "run the pipeline first") from None
+    version = table.version()
+    uris = table.file_uris()
+    if uris:
+        df = spark.read.option("basePath", path).parquet(*uris)
+    else:
+        df = spark.createDataFrame(table.schema().to_arrow().empty_table())
+    history = table.history(1)
+    return df, version, (history[0] if history else {})
+
+
+def dead_letter_ids(settings, pipeline: str) -> set[str]:
+    """The ``_isb_id`` of every dead-lettered record of the pipeline (needs the ISB service)."""
+    from isbflow.connector.dlq import read_dead_letters
+
+    letters = asyncio.run(read_dead_letters(settings, pipeline))
+    return {dl["origin"] for dl in letters if dl.get("origin")}
+
+
+def expected_schema(runner, sink: str):
+    """The schema the sink's upstream step writes (a ``PipelineRunner``'s view of the spec)."""
+    edges = runner.p.inputs(sink)
+    return runner.output_schema(edges[0].from_) if edges else None
+
+
+def quality_of(pipeline: Pipeline, sink: str) -> SinkQuality:
+    """The sink's quality settings (defaults when the spec has none: built-ins, gate ``fail``)."""
+    return next((q for q in pipeline.spec.quality if q.sink == sink), SinkQuality(sink=sink))
+
+
+def find_raw_sink(spark, pipeline: Pipeline, sink: str, data_dir: str | Path) -> str | None:
+    """The raw sink (has ``_isb_id``) sharing the most upstream steps with ``sink``."""
+    def ancestors(name: str) -> set[str]:
+        seen, todo = set(), [name]
+        while todo:
+            for e in pipeline.inputs(todo.pop()):
+                if e.from_ not in seen:
+                    seen.add(e.from_)
+                    todo.append(e.from_)
+        return seen
+
+    mine = ancestors(sink)
+    best: tuple[int, str] | None = None
+    for v in pipeline.spec.vertices:
+        if v.sink is None or v.name == sink:
+            continue
+        shared = len(mine & ancestors(v.name))
+        if shared == 0 or (best and best[0] >= shared):
+            continue
+        try:
+            df, _, _ = read_version(spark, sink_table_path(pipeline, v.name, data_dir))
+        except QualityError:
+            continue
+        if ID_COLUMN in df.columns:
+            best = (shared, v.name)
+    return best[1] if best else None
+
+
+# ------------------------------------------------------------------ the run
+
+
+def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
+                dead_letters: Iterable[str] = (), basis: OffsetBasis | None = None,
+                schema=None, now: datetime | None = None, raw_sink: str | None = None,
+                window_sample: int = 200) -> QualityReport:
+    """Check sink ``sink`` of ``pipeline`` now; store and return the report.
+
+    ``dead_letters``: dead-lettered ids for the default completeness basis;
+    ``basis`` replaces that basis (e.g. the offset ledger); ``schema``: the
+    expected Spark schema (None: skipped); ``now``: the clock for freshness
+    and the run id (tests inject it); ``raw_sink``: the raw sink aggregate
+    windows are recomputed from (default: found from the graph).
+    """
+    from isbflow.quality import docs, gx, reports
+
+    now = now or datetime.now(UTC)
+    data_dir = Path(data_dir).absolute()
+    q = quality_of(pipeline, sink)
+    path = sink_table_path(pipeline, sink, data_dir)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    df, version, commit = read_version(spark, path)
+    df = df.cache()
+    rows = df.count()
+    timings["read_s"] = time.perf_counter() - t0
+    kind = checks.sink_kind(df.columns)
+    run_id = reports.new_run_id(now)
+
+    expectations: list[gx.ExpectationRun] = []
+    if kind == "raw":
+        expectations.append(gx.ExpectationRun("uniqueness", "expect_column_values_to_be_unique",
+                                              {"column": ID_COLUMN}, origin="builtin"))
+    expectations += [gx.ExpectationRun(e.expectation, e.expectation, dict(e.kwargs)) for e in q.expectations]
+    t = time.perf_counter()
+    outcome = gx.validate(data_dir, pipeline.name, sink, df, expectations, run_id, now)
+    timings["gx_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    results: list[CheckResult] = []
+    offsets: dict[str, Any] | None = None
+    offsets_from: str | None = None
+    if kind == "raw":
+        observed = checks.offset_ranges(df)
+        results.append(checks.completeness(df, basis or SinkOffsetBasis(frozenset(dead_letters)), observed))
+        offsets, offsets_from = {s: [lo, hi] for s, (lo, hi, _) in sorted(observed.items())}, "sink ids"
+    else:
+        results.append(checks.skipped("completeness", f"the sink has no {ID_COLUMN} column"))
+    results.insert(0, checks.schema_check(df.schema, schema))
+    results.append(checks.freshness(df, q.freshness, now))
+    if kind == "aggregate":
+        raw_name = raw_sink or find_raw_sink(spark, pipeline, sink, data_dir)
+        if raw_name is None:
+            results.append(checks.skipped("windows", "no raw sink shares an upstream step with this one"))
+        else:
+            raw_df, _, _ = read_version(spark, sink_table_path(pipeline, raw_name, data_dir))
+            results.append(checks.window_recompute(df, raw_df, sample=window_sample))
+            offsets = {s: [lo, hi] for s, (lo, hi, _) in sorted(checks.offset_ranges(raw_df).items())}
+            offsets_from = f"raw sink {raw_name!r} ids (what the windows were recomputed from)"
+    timings["builtin_s"] = time.perf_counter() - t
+    df.unpersist()
+
+    builtin_gx = [r for r in outcome.results if r.origin == "builtin"]
+    all_checks = [results[0], *builtin_gx, *results[1:], *[r for r in outcome.results if r.origin != "builtin"]]
+    report = QualityReport(
+        run_id=run_id, pipeline=pipeline.name, sink=sink, kind=kind, table_path=path, table_version=version,
+        rows=rows, time=now.astimezone(UTC).isoformat(), gate=q.onFailure.value,
+        success=all(c.success for c in all_checks), checks=all_checks, offsets=offsets,
+        offsets_from=offsets_from, last_commit_offsets=_commit_offsets(commit), timings=timings)
+    t = time.perf_counter()
+    root = reports.reports_root(data_dir)
+    html = None
+    if outcome.docs_html is not None:
+        docs.install_static(root)
+        html = docs.localize_page(outcome.docs_html, "../../" + docs.STATIC_DIR)
+        report.docs = f"{run_id}.html"
+    reports.save_report(data_dir, report.to_dict(), html)
+    report.pruned = reports.prune(data_dir, pipeline.name, sink, q.retention.runs, q.retention.maxAge, now,
+                                  protect=run_id)
+    report.timings["report_s"] = time.perf_counter() - t
+    reports.save_report(data_dir, report.to_dict(), None)  # again, naming what was pruned
+    level = logging.INFO if report.success else logging.WARNING
+    log.log(level, "quality %s/%s v%s: %s (%d failed check(s)%s)", pipeline.name, sink, version,
+            "passed" if report.success else f"FAILED, gate {report.gate}", len(report.failures),
+            f", pruned {len(report.pruned)} old report(s)" if report.pruned else "")
+    return report
+
+
+def _commit_offsets(commit: dict[str, Any]) -> dict[str, Any] | None:
+    raw = commit.get("isb.offsets")
+    try:
+        offsets = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        offsets = None
+    return offsets or None
