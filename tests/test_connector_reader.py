@@ -207,6 +207,24 @@ def test_both_read_paths_give_the_range_and_name_gaps(nats_server, path):
     assert gaps == [(10, 11), (29, 30)]
 
 
+def test_consumer_path_receives_only_its_range(nats_server):
+    """A read task of a long stream must not be sent the rest of the stream (a push
+    consumer did: every task of a 1M-event stream received everything after its start)."""
+    s = nats_server.settings
+    make_stream(s, "long")
+    publish_events(s, "long", [b"e%d" % i for i in range(3000)])
+
+    async def fn(nc, js):
+        before = nc.stats["in_msgs"]
+        got = [m[0] async for msgs in consume_range(nc, "long", 101, 600, chunk_msgs=100) for m in msgs]
+        await asyncio.sleep(0.5)  # anything still in flight would arrive now
+        return got, nc.stats["in_msgs"] - before
+
+    got, received = nats_do(s, fn)
+    assert got == list(range(101, 601))
+    assert received < 600, f"received {received} messages for a 500-message range"
+
+
 # ---------------------------------------------------------------- offsets and admission control
 
 def test_latest_offset_caps_by_read_limit_fairly_and_idles(nats_server):

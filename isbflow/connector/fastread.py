@@ -223,7 +223,8 @@ async def consume_range(
     chunk_msgs: int = CHUNK_MSGS,
     timeout: float = REPLY_TIMEOUT,
 ) -> AsyncIterator[list[Message]]:
-    """:func:`read_range`'s contract through an ephemeral push consumer (AckNone, memory, R1).
+    """:func:`read_range`'s contract through an ephemeral pull consumer (AckNone, memory, R1)
+    asked for exactly the range, at most two chunks ahead of what has arrived.
 
     About 2-3x faster than direct get for small messages here (no per-message
     headers to parse: sequence and time come from the reply subject), but a
@@ -246,6 +247,8 @@ async def consume_range(
         o = 0 if len(t) == 9 else 2  # v1 or v2 (domain, account hash) ack subject
         seq, ts, pending = int(t[5 + o]), int(t[7 + o]), int(t[8 + o])
         st["progress"] += 1
+        if "pull" in st:  # keep two chunks requested ahead (a cheap check; publishes rarely)
+            await st["pull"]()
         if seq < st["expect"]:
             return
         if seq > st["expect"]:
@@ -261,7 +264,10 @@ async def consume_range(
             wake.set()
 
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=0, pending_bytes_limit=0)
-    config = {"deliver_subject": inbox, "deliver_policy": "by_start_sequence",
+    # A pull consumer asked for exactly the range: a push consumer (AckNone) would send
+    # everything after `first` to the end of the stream, which the connection must still
+    # read after the range is complete (measured: a 50K task of a 1M stream timed out).
+    config = {"deliver_policy": "by_start_sequence",
               "opt_start_seq": first, "ack_policy": "none", "replay_policy": "instant",
               "mem_storage": True, "num_replicas": 1, "inactive_threshold": int(60e9),
               "description": "isbflow range read"}
@@ -273,6 +279,18 @@ async def consume_range(
         raise BufferReadError(f"buffer {stream}: cannot create a read consumer: "
                               f"{resp['error'].get('description', resp['error'])}")
     name = resp["name"]
+    total = last - first + 1
+    pulled = {"n": 0}
+
+    async def pull() -> None:  # keep at most two chunks requested ahead of what arrived
+        while pulled["n"] < total and pulled["n"] - st["progress"] < 2 * chunk_msgs:
+            n = min(chunk_msgs, total - pulled["n"])
+            pulled["n"] += n
+            await nc.publish(f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", json.dumps({"batch": n}).encode(),
+                             reply=inbox)
+
+    st["pull"] = pull
+    await pull()
     try:
         quiet = 0.0
         while True:
