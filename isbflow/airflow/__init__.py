@@ -3,7 +3,13 @@
 - ``hooks/``: connections to the outside systems (:class:`~isbflow.airflow.hooks.jetstream.JetStreamHook`,
   connection type ``nats``);
 - ``operators/``: thin task wrappers over the library
-  (:class:`~isbflow.airflow.operators.isb.IsbProvisionOperator`);
+  (:class:`~isbflow.airflow.operators.isb.IsbProvisionOperator`; in
+  ``operators/pipeline.py`` ``PipelineStartOperator``, ``PipelineDrainOperator``,
+  ``PipelineBatchOperator``);
+- ``sensors/``: :class:`~isbflow.airflow.sensors.pipeline.PipelineStateSensor`
+  waits until every step reports a state, deferring to
+- ``triggers/``: :class:`~isbflow.airflow.triggers.pipeline.PipelineStateTrigger`,
+  which polls the step heartbeats in the triggerer (no worker slot held);
 - ``pipelines``: where DAGs find spec files and the trigger-form parameter.
 
 Only this package imports Airflow; the core library (spec, isb, connector,
@@ -25,7 +31,12 @@ def get_provider_info() -> dict:
         "hooks": [{"integration-name": "isbflow",
                    "python-modules": ["isbflow.airflow.hooks.jetstream"]}],
         "operators": [{"integration-name": "isbflow",
-                       "python-modules": ["isbflow.airflow.operators.isb"]}],
+                       "python-modules": ["isbflow.airflow.operators.isb",
+                                          "isbflow.airflow.operators.pipeline"]}],
+        "sensors": [{"integration-name": "isbflow",
+                     "python-modules": ["isbflow.airflow.sensors.pipeline"]}],
+        "triggers": [{"integration-name": "isbflow",
+                      "python-modules": ["isbflow.airflow.triggers.pipeline"]}],
         "connection-types": [{
             "hook-class-name": "isbflow.airflow.hooks.jetstream.JetStreamHook",
             "connection-type": "nats",

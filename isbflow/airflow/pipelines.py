@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_DIR = "ISBFLOW_PIPELINES_DIR"
+PROJECT_ENV = "ISBFLOW_PROJECT_DIR"
 SUFFIXES = (".yaml", ".yml")
 
 
@@ -22,6 +23,13 @@ def pipelines_dir(dag_file: str | Path) -> Path:
     if env:
         return Path(env).resolve()
     return Path(dag_file).resolve().parent.parent / "pipelines"
+
+
+def project_dir(dag_file: str | Path) -> Path:
+    """Where launched drivers run and import the user's transforms (``spark_apps/``) from:
+    ``ISBFLOW_PROJECT_DIR`` when set, else the repository holding the DAG file."""
+    env = os.environ.get(PROJECT_ENV)
+    return Path(env).resolve() if env else Path(dag_file).resolve().parent.parent
 
 
 def pipeline_files(directory: Path) -> list[str]:

@@ -10,7 +10,9 @@ is plain picklable data, so the driver can hand it to Spark executors.
    ``ISBFLOW_HOME``), written by ``isbflow nats up``.
 
 Credentials come from the URL (``nats://user:pass@host``), the spec's ``auth``
-files, or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``.
+files, or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``;
+TLS files from ``NATS_TLS_CA`` / ``NATS_TLS_CERT`` + ``NATS_TLS_KEY``
+(``NATS_TLS_INSECURE``).
 """
 
 from __future__ import annotations
@@ -171,6 +173,10 @@ def resolve_settings(
         settings = replace(settings, user=env["NATS_USER"], password=env.get("NATS_PASSWORD"))
     if env.get("NATS_TOKEN"):
         settings = replace(settings, token=env["NATS_TOKEN"])
+    if env.get("NATS_TLS_CA") or env.get("NATS_TLS_CERT"):
+        settings = replace(settings, tls_ca=env.get("NATS_TLS_CA") or settings.tls_ca,
+                           tls_cert=env.get("NATS_TLS_CERT") or None, tls_key=env.get("NATS_TLS_KEY") or None,
+                           tls_insecure=env.get("NATS_TLS_INSECURE", "").lower() in ("1", "true", "yes"))
     if jet is not None:
         if jet.auth is not None:
             a = jet.auth

@@ -88,6 +88,19 @@ class JetStreamHook(BaseHook):
         try:
             conn = self.get_connection(self.nats_conn_id)
         except AirflowNotFoundException:
+            conn = None
+        return self._settings(conn, service)
+
+    async def aget_settings(self, service: InterStepBufferService | None = None) -> NatsSettings:
+        """:meth:`get_settings` for coroutines (triggers): the connection is read without blocking."""
+        try:
+            conn = await self.aget_connection(self.nats_conn_id)
+        except AirflowNotFoundException:
+            conn = None
+        return self._settings(conn, service)
+
+    def _settings(self, conn: Any, service: InterStepBufferService | None) -> NatsSettings:
+        if conn is None:
             settings = resolve_settings(data_dir=self.data_dir, service=service)
             self.log.info("connection %r is not defined; using %s (NATS_URL, spec or embedded server)",
                           self.nats_conn_id, settings.display)

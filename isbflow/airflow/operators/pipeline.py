@@ -1,0 +1,313 @@
+"""Operators that start, drain and batch-run a pipeline's Spark steps.
+
+- :class:`PipelineStartOperator` prepares the pipeline (provisions its buffers
+  when asked, puts its reference tables, sets every step's desired state to
+  ``running``) and launches the continuous driver detached
+  (:func:`isbflow.steps.launch.launch_pipeline`). The task ends at once: no
+  worker slot is held for the life of the stream. A retried or re-triggered
+  task finds the live launch and returns it instead of starting a second
+  driver. XCom: the launch record. Wait for the steps with
+  :class:`~isbflow.airflow.sensors.pipeline.PipelineStateSensor`.
+- :class:`PipelineDrainOperator` runs the drain protocol
+  (:func:`isbflow.steps.drain.drain_pipeline`, upstream first) and waits for the
+  driver to exit. XCom: each step's final offsets. A timeout fails the task with
+  the stuck step named.
+- :class:`PipelineBatchOperator` runs the same steps once with
+  ``--trigger available-now`` in a foreground subprocess (the batch half of
+  batch-plus-streaming). It is skipped while a continuous launch of the
+  pipeline is alive: both would write the same checkpoints.
+
+Every operator finds the spec like ``IsbProvisionOperator`` (a file name under
+``pipelines_dir``), the ISB service through ``JetStreamHook`` (connection
+``nats_default``, else the embedded server), and keeps its state (checkpoints,
+sinks, launch records, driver logs) in ``data_dir`` (default ``ISBFLOW_HOME``).
+Reference tables are read from ``<pipelines_dir>/reference/<name>.json``
+(key -> columns) when that file exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from isbflow.airflow.hooks.jetstream import JetStreamHook
+from isbflow.airflow.operators.isb import as_bool, report_table
+from isbflow.airflow.pipelines import resolve_pipeline_file
+
+if TYPE_CHECKING:
+    import logging
+
+    from isbflow.isb.connect import NatsSettings
+    from isbflow.spec import Specs
+    from isbflow.spec.models import Pipeline
+
+REFERENCE_DIR = "reference"
+
+
+@dataclass
+class PipelineTarget:
+    """A pipeline as the tasks see it: its spec file, parsed specs, data dir and ISB settings."""
+
+    path: Path
+    specs: Specs
+    pipeline: Pipeline
+    data_dir: Path
+    settings: NatsSettings
+
+
+def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str | None,
+                   nats_conn_id: str, data_dir: str | None) -> PipelineTarget:
+    """Load the spec and find the ISB service; a bad name or spec fails the task without retries."""
+    from isbflow.isb.connect import default_data_dir
+    from isbflow.spec import SpecError, load_specs
+
+    try:
+        path = resolve_pipeline_file(pipeline_file, pipelines_dir or Path.cwd())
+        specs = load_specs([path])
+    except (FileNotFoundError, SpecError) as e:
+        raise AirflowFailException(str(e)) from None
+    if pipeline:
+        if pipeline not in specs.pipelines:
+            raise AirflowFailException(f"{path}: no pipeline named {pipeline!r} "
+                                       f"(pipelines: {', '.join(specs.pipelines) or 'none'})")
+        p = specs.pipelines[pipeline]
+    elif len(specs.pipelines) == 1:
+        p = next(iter(specs.pipelines.values()))
+    else:
+        raise AirflowFailException(f"{path} holds {len(specs.pipelines)} pipelines "
+                                   f"({', '.join(specs.pipelines) or 'none'}): name one with 'pipeline'")
+    dd = Path(data_dir) if data_dir else default_data_dir()
+    settings = JetStreamHook(nats_conn_id, data_dir=dd).get_settings(specs.service_for(p))
+    return PipelineTarget(path, specs, p, dd.absolute(), settings)
+
+
+def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provision: bool,
+                     log: logging.Logger) -> None:
+    """Provision the buffers (when asked) and put the reference tables found in ``references_dir``."""
+    from isbflow.isb import provision as prov
+    from isbflow.isb import reference
+    from isbflow.isb.connect import IsbUnreachable
+
+    p = target.pipeline
+    try:
+        if provision:
+            report = asyncio.run(prov.apply(target.settings, target.specs, p.name))
+            log.info("provisioned pipeline %s, changed: %s\n%s", p.name, report.changed, report_table(report))
+            refused = [r.name for r in report.resources if r.action == prov.Action.REFUSED]
+            if refused:
+                raise AirflowFailException(f"recreate refused for buffer(s) still holding messages: "
+                                           f"{', '.join(refused)}")
+        for name in sorted({r.name for v in p.spec.vertices if v.udf for r in v.udf.references}):
+            file = references_dir / f"{name}.json" if references_dir else None
+            if file is None or not file.is_file():
+                log.warning("reference table %s: no file %s; the step reads what its bucket holds", name, file)
+                continue
+            try:
+                rows = json.loads(file.read_text())
+            except ValueError as e:
+                raise AirflowFailException(f"reference table {file}: not valid JSON ({e})") from None
+            counts = asyncio.run(reference.put(target.settings, p.name, name, rows))
+            log.info("reference table %s from %s: %s", name, file, counts)
+    except IsbUnreachable as e:
+        raise RuntimeError(str(e)) from None  # retries apply
+    except (prov.ProvisionError, reference.ReferenceError) as e:
+        raise AirflowFailException(str(e)) from None
+
+
+class _PipelineOperator(BaseOperator):
+    """Parameters every pipeline task shares (see the module docstring)."""
+
+    template_fields: Sequence[str] = ("pipeline_file", "pipelines_dir", "pipeline", "nats_conn_id", "data_dir")
+
+    def __init__(self, *, pipeline_file: str, pipelines_dir: str | None = None, pipeline: str | None = None,
+                 nats_conn_id: str = JetStreamHook.default_conn_name, data_dir: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pipeline_file = pipeline_file
+        self.pipelines_dir = pipelines_dir
+        self.pipeline = pipeline
+        self.nats_conn_id = nats_conn_id
+        self.data_dir = data_dir
+
+    def target(self) -> PipelineTarget:
+        return resolve_target(self.pipeline_file, self.pipelines_dir, self.pipeline or None,
+                              self.nats_conn_id, self.data_dir or None)
+
+    def references_dir(self) -> Path:
+        return Path(self.pipelines_dir or Path.cwd()) / REFERENCE_DIR
+
+
+class _RunsDriver(_PipelineOperator):
+    """Tasks that run the pipeline's driver: where it runs and with what master."""
+
+    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "master", "workdir", "provision")
+
+    def __init__(self, *, master: str = "local[2]", workdir: str | None = None, provision: bool | str = True,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.master = master
+        self.workdir = workdir
+        self.provision = provision
+
+
+class PipelineStartOperator(_RunsDriver):
+    """Prepare the pipeline and launch its continuous driver detached; XCom: the launch record.
+
+    :param pipeline_file: spec file; a relative name is looked up under ``pipelines_dir``.
+    :param pipeline: the pipeline, when the file holds several.
+    :param master: Spark master (``local[2]``, ``spark://host:7077``).
+    :param workdir: the driver's working directory, on its ``PYTHONPATH`` (user transforms).
+    :param provision: provision the buffers first (idempotent); ``False`` when a task before did.
+    :param steps: one step to launch alone (default: all steps in one Spark application).
+    :param heartbeat_timeout: seconds without a heartbeat after which a running launch is stalled.
+    :param startup_grace: seconds a new launch may take before its first heartbeat.
+    """
+
+    template_fields: Sequence[str] = (*_RunsDriver.template_fields, "steps")
+    ui_color = "#d4f0c7"
+
+    def __init__(self, *, steps: list[str] | None = None, heartbeat_timeout: float = 60.0,
+                 startup_grace: float = 300.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.steps = steps
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_grace = startup_grace
+
+    def execute(self, context: Any) -> dict:
+        from isbflow.isb.connect import IsbUnreachable, connect
+        from isbflow.steps.drain import resume_pipeline
+        from isbflow.steps.launch import LaunchError, launch_pipeline
+
+        t = self.target()
+        prepare_pipeline(t, self.references_dir(), as_bool(self.provision), self.log)
+
+        async def resume() -> None:
+            nc = await connect(t.settings, name="isbflow-airflow-start")
+            try:
+                await resume_pipeline(nc, t.pipeline)
+            finally:
+                await nc.close()
+
+        try:
+            asyncio.run(resume())
+            record = launch_pipeline(t.path, t.data_dir, t.settings, master=self.master,
+                                     pipeline=t.pipeline.name, steps=self.steps or None,
+                                     workdir=self.workdir or None, heartbeat_timeout=self.heartbeat_timeout,
+                                     startup_grace=self.startup_grace)
+        except IsbUnreachable as e:
+            raise RuntimeError(str(e)) from None
+        except LaunchError as e:
+            raise AirflowFailException(str(e)) from None
+        if record.reused:
+            self.log.info("pipeline %s already runs: launch %s (pid %s, log %s); not starting another",
+                          t.pipeline.name, record.launch_id, record.pid, record.log)
+        else:
+            self.log.info("launched pipeline %s on %s: launch %s, pid %s, log %s", t.pipeline.name,
+                          self.master, record.launch_id, record.pid, record.log)
+        return record.to_json()
+
+
+class PipelineDrainOperator(_PipelineOperator):
+    """Drain every step (upstream first) and wait for the driver to exit; XCom: final offsets.
+
+    :param drain_timeout: seconds the whole drain may take; on timeout the task fails naming
+        the stuck step (no retries: the steps keep their state, drain again once it is fixed).
+    :param exit_timeout: seconds to wait for the launched driver to exit after the drain.
+    """
+
+    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "drain_timeout")
+    ui_color = "#f0e0c7"
+
+    def __init__(self, *, drain_timeout: float | str = 300.0, exit_timeout: float = 120.0,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.drain_timeout = drain_timeout
+        self.exit_timeout = exit_timeout
+
+    def execute(self, context: Any) -> dict:
+        from isbflow.isb.connect import IsbUnreachable, connect
+        from isbflow.steps.drain import DrainTimeout, drain_pipeline
+        from isbflow.steps.launch import read_launch, wait_exit
+
+        t = self.target()
+        p = t.pipeline
+        timeout = float(self.drain_timeout)
+
+        def progress(statuses: dict) -> None:
+            states = {v: (s.state if s else "unknown") for v, s in statuses.items()}
+            if states != getattr(progress, "last", None):
+                self.log.info("drain of %s: %s", p.name, states)
+                progress.last = states  # type: ignore[attr-defined]
+
+        async def drain() -> dict:
+            nc = await connect(t.settings, name="isbflow-airflow-drain")
+            try:
+                return await drain_pipeline(nc, p, timeout=timeout, on_update=progress)
+            finally:
+                await nc.close()
+
+        try:
+            final = asyncio.run(drain())
+        except IsbUnreachable as e:
+            raise RuntimeError(str(e)) from None
+        except DrainTimeout as e:
+            raise AirflowFailException(str(e)) from None
+        offsets = {v: s.final_offsets for v, s in final.items()}
+        for v, o in offsets.items():
+            self.log.info("step %s drained, final offsets %s", v, o)
+        launch = read_launch(t.data_dir, p.name)
+        exited = None
+        if launch is not None and launch.alive():
+            exited = wait_exit(launch, self.exit_timeout)
+            if not exited:
+                self.log.warning("launch %s (pid %s) still runs %.0fs after the drain; see %s",
+                                 launch.launch_id, launch.pid, self.exit_timeout, launch.log)
+        return {"pipeline": p.name, "final_offsets": offsets,
+                "launch": launch.launch_id if launch else None, "driver_exited": exited}
+
+
+class PipelineBatchOperator(_RunsDriver):
+    """Run every step once over what its inputs hold (``--trigger available-now``); XCom: per step
+    state, final offsets, rows and dead letters. Skipped while a continuous launch is alive.
+
+    :param run_timeout: seconds the run may take (default: no limit besides the task's own).
+    """
+
+    template_fields: Sequence[str] = (*_RunsDriver.template_fields,)
+    ui_color = "#e0d4f0"
+
+    def __init__(self, *, run_timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.run_timeout = run_timeout
+
+    def execute(self, context: Any) -> dict:
+        from isbflow.steps.launch import LaunchError, read_launch, run_foreground
+
+        t = self.target()
+        p = t.pipeline
+        live = read_launch(t.data_dir, p.name)
+        if live is not None and live.alive() is not False:
+            raise AirflowSkipException(
+                f"pipeline {p.name!r} runs continuously (launch {live.launch_id}, pid {live.pid}): a batch run "
+                "would share its checkpoints; drain it first (DAG pipeline_drain)")
+        prepare_pipeline(t, self.references_dir(), as_bool(self.provision), self.log)
+        self.log.info("batch run of %s on %s", p.name, self.master)
+        try:
+            result, log_path = run_foreground(t.path, t.data_dir, t.settings, trigger="available-now",
+                                              master=self.master, pipeline=p.name,
+                                              workdir=self.workdir or None, timeout=self.run_timeout)
+        except LaunchError as e:
+            raise RuntimeError(str(e)) from None  # a failed run may succeed on retry
+        steps = {v: {k: s.get(k) for k in ("state", "final_offsets", "rows_total", "dlq_total")}
+                 for v, s in result.get("steps", {}).items()}
+        for v, s in steps.items():
+            self.log.info("step %s: %s", v, s)
+        self.log.info("batch run of %s took %ss; driver log %s", p.name, result.get("seconds"), log_path)
+        return {"pipeline": p.name, "seconds": result.get("seconds"), "log": log_path, "steps": steps}
