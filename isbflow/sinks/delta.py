@@ -18,6 +18,19 @@ Contract (exactly once per micro-batch and app id):
 - ``abort`` runs on the driver when a task failed: it removes the batch's
   unreferenced files.
 
+Offsets: when the rows carry ``_isb_id``, each task also returns, per source
+partition, the ranges of source sequences it wrote
+(:func:`isbflow.recovery.ledger.id_ranges`); the commit records their union in
+the commit's custom metadata ``isb.offsets`` and, with the options
+``pipeline``, ``sink`` and ``settings``, in the pipeline's offset ledger (KV),
+after the Delta commit (see :mod:`isbflow.recovery.ledger`).
+
+``mode=merge`` (recovery runs): the batch's rows are inserted only where the
+table lacks their ``mergeKey`` (default ``_isb_id``; a comma list for a
+composite key), in one Delta merge on the driver that also records the app
+transaction; the batch's Parquet files are then removed. It funnels the batch
+through the driver: meant for replays, not for the steady stream.
+
 delta-rs records app transactions but does not enforce them (NOTES.md), hence
 the check in ``commit``. The check-then-commit is not atomic: one app id must
 have one running query (Spark's checkpoint already demands that).
@@ -100,7 +113,10 @@ class DeltaSinkOptions:
     (``<pipeline>/<step>/<sink>``, see :func:`sink_app_id`), ``partitionBy``
     (comma list), ``commitMetadata`` (JSON object merged into each commit's
     custom metadata; its ``isb.offsets`` is kept as given, default ``"{}"``),
-    ``rowGroupRows`` (Parquet row group size, default 524288).
+    ``rowGroupRows`` (Parquet row group size, default 524288), ``mode``
+    (``append`` default, or ``merge``: insert if ``mergeKey`` is absent),
+    ``mergeKey`` (default ``_isb_id``), and for the offset ledger ``pipeline``,
+    ``sink`` and ``settings`` (NatsSettings JSON; all three or none).
     """
 
     path: str
@@ -108,6 +124,11 @@ class DeltaSinkOptions:
     partition_by: tuple[str, ...] = ()
     commit_metadata: Mapping[str, Any] = field(default_factory=dict)
     row_group_rows: int = DEFAULT_ROW_GROUP_ROWS
+    mode: str = "append"
+    merge_key: tuple[str, ...] = ("_isb_id",)
+    ledger_pipeline: str | None = None
+    ledger_sink: str | None = None
+    ledger_settings: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> DeltaSinkOptions:
@@ -148,7 +169,28 @@ class DeltaSinkOptions:
                 f"{SHORT_NAME} at {path}: option rowGroupRows must be a positive integer, "
                 f"got {options.get('rowGroupRows')!r}"
             )
-        return cls(os.path.normpath(path), app_id, partition_by, meta, row_group_rows)
+        mode = (options.get("mode") or "append").strip().lower()
+        if mode not in ("append", "merge"):
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME} at {path}: option mode must be append or merge, got {mode!r}"
+            )
+        merge_key = tuple(
+            c.strip() for c in (options.get("mergeKey") or "_isb_id").split(",") if c.strip()
+        )
+        bad = [c for c in merge_key if not _IDENTIFIER.match(c)]
+        if bad or not merge_key:
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME} at {path}: option mergeKey must be plain column names, got "
+                f"{options.get('mergeKey')!r}"
+            )
+        ledger = [(options.get(k) or "").strip() or None for k in ("pipeline", "sink", "settings")]
+        if any(ledger) and not all(ledger):
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME} at {path}: the offset ledger needs all of the options pipeline, "
+                "sink and settings (NatsSettings JSON), or none of them"
+            )
+        return cls(os.path.normpath(path), app_id, partition_by, meta, row_group_rows, mode,
+                   merge_key, *ledger)
 
 
 # --------------------------------------------------------------------------- executor side
@@ -160,6 +202,8 @@ class DeltaCommitMessage(WriterCommitMessage):
 
     actions: list[AddAction]
     schema: bytes | None
+    #: source partition -> ranges of source sequences in the rows (from ``_isb_id``)
+    offsets: dict[str, list[list[int]]] | None = None
 
     def arrow_schema(self) -> pa.Schema | None:
         return pa.ipc.read_schema(pa.py_buffer(self.schema)) if self.schema else None
@@ -357,9 +401,12 @@ def write_batch_files(
     One file per partition value, rows buffered into ``row_group_rows`` row
     groups. On error the files written so far are removed before re-raising.
     """
+    from isbflow.recovery import ledger
+
     tag = _app_tag(options.app_id)
     files: dict[tuple, _PartitionFile] = {}
     schema: pa.Schema | None = None
+    offsets: list[dict] = []
     try:
         for batch in batches:
             if batch.num_rows == 0:
@@ -368,6 +415,8 @@ def write_batch_files(
                 schema = delta_arrow_schema(batch.schema)
             if batch.schema != schema:
                 batch = batch.cast(schema)
+            if ledger.ID_COLUMN in batch.schema.names:
+                offsets.append(ledger.id_ranges(batch.column(ledger.ID_COLUMN)))
             for values, rows in _split_by_partition(batch, options.partition_by):
                 key = tuple(values.items())
                 pf = files.get(key)
@@ -384,7 +433,8 @@ def write_batch_files(
         for pf in files.values():
             pf.discard()
         raise
-    return DeltaCommitMessage(actions, schema.serialize().to_pybytes() if schema else None)
+    return DeltaCommitMessage(actions, schema.serialize().to_pybytes() if schema else None,
+                              ledger.union(*offsets) if offsets else None)
 
 
 # --------------------------------------------------------------------------- driver side
@@ -447,6 +497,8 @@ class BatchCommit:
     files: int
     rows: int
     skipped_reason: str | None = None
+    #: merge mode: rows of the batch the table already held (not inserted again)
+    dropped: int = 0
 
 
 def commit_batch(
@@ -455,8 +507,11 @@ def commit_batch(
     batch_id: int,
 ) -> BatchCommit:
     """Commit one micro-batch's files in one Delta transaction, at most once per app id."""
+    from isbflow.recovery import ledger
+
     msgs = [m for m in messages if m is not None]
     actions = [a for m in msgs for a in m.actions]
+    offsets = ledger.union(*(m.offsets or {} for m in msgs))
     rows = sum(json.loads(a.stats)["numRecords"] for a in actions)
     where = f"{SHORT_NAME} {options.path} (app {options.app_id}, batch {batch_id})"
     table = _open(options.path)
@@ -472,13 +527,25 @@ def commit_batch(
                 batch_id,
             )
         remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+        _record_offsets(options, offsets, where)
         return BatchCommit(batch_id, None, 0, 0, f"table already holds batch {done}")
     if not actions:
         remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
         return BatchCommit(batch_id, None, 0, 0, "empty batch")
     schema = next(m.arrow_schema() for m in msgs if m.schema)
-    metadata = {"isb.offsets": "{}", **options.commit_metadata}
+    metadata = {ledger.OFFSETS_KEY: ledger.to_metadata(offsets) if offsets else "{}",
+                **options.commit_metadata}
     metadata.update({"isb.appId": options.app_id, "isb.batchId": batch_id, "isb.rows": rows})
+    if options.mode == "merge":
+        merged = merge_insert_missing(
+            options.path, _read_batch_files(options, actions, schema), key=options.merge_key,
+            app_id=options.app_id, version=batch_id, metadata=metadata,
+            partition_by=options.partition_by,
+        )
+        remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+        _record_offsets(options, offsets, where)
+        return BatchCommit(batch_id, merged.version, 0, merged.inserted,
+                           dropped=rows - merged.inserted)
     props = CommitProperties(
         custom_metadata=metadata,
         app_transactions=[Transaction(app_id=options.app_id, version=batch_id)],
@@ -508,7 +575,42 @@ def commit_batch(
         )
     # Attempts that failed before this batch succeeded may have left files behind.
     remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+    _record_offsets(options, offsets, where)
     return BatchCommit(batch_id, DeltaTable(options.path).version(), len(actions), rows)
+
+
+def _read_batch_files(options: DeltaSinkOptions, actions: list[AddAction],
+                      schema: pa.Schema) -> pa.Table:
+    """The rows of a batch's (uncommitted) files, partition columns restored from their values."""
+    tables = []
+    for a in actions:
+        t = pq.read_table(os.path.join(options.path, a.path))
+        for c in options.partition_by:
+            typ = schema.field(c).type
+            value = a.partition_values.get(c)
+            col = pa.array([value] * t.num_rows, pa.string())
+            t = t.append_column(c, col.cast(typ) if value is not None else pa.nulls(t.num_rows, typ))
+        tables.append(t.select(schema.names).cast(schema))
+    return pa.concat_tables(tables)
+
+
+def _record_offsets(options: DeltaSinkOptions, offsets: dict, where: str) -> None:
+    """Add the batch's source offsets to the ledger KV (after the Delta commit; see module doc).
+
+    A failure is logged, not raised: the table's ``isb.offsets`` still hold the
+    offsets, and a ledger behind the table only makes recovery replay more.
+    """
+    if not offsets or not options.ledger_settings:
+        return
+    from isbflow.connector.options import settings_from_json
+    from isbflow.recovery import ledger
+
+    try:
+        ledger.record_sync(settings_from_json(options.ledger_settings), options.ledger_pipeline,
+                           options.ledger_sink, offsets)
+    except Exception as e:  # noqa: BLE001 - see docstring
+        _log.warning("%s: recording offsets in the ledger failed (%s); the commit's isb.offsets "
+                     "still hold them", where, e)
 
 
 class DeltaStreamWriter(DataSourceStreamArrowWriter):
@@ -594,22 +696,29 @@ class MergeResult:
 def merge_insert_missing(
     path: str,
     table: pa.Table,
-    key: str = "_isb_id",
+    key: str | Iterable[str] = "_isb_id",
     app_id: str | None = None,
     version: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    partition_by: Iterable[str] = (),
 ) -> MergeResult:
     """Insert the rows of ``table`` whose ``key`` the sink does not hold yet, in one commit.
 
-    Idempotent: running it again inserts nothing. With ``app_id`` and
+    Idempotent: running it again inserts nothing. ``key`` is a column or
+    several (a composite key). With ``app_id`` and
     ``version`` the commit also records that app transaction, unless the table
     already records a version at least as high (never lowered: the stream
-    writer's replay check relies on it). Creates the table if absent.
+    writer's replay check relies on it). Creates the table if absent
+    (partitioned by ``partition_by``). ``metadata`` is added to the commit's
+    custom metadata.
     """
-    if not _IDENTIFIER.match(key) or key not in table.column_names:
+    keys = [key] if isinstance(key, str) else list(key)
+    if not keys or any(not _IDENTIFIER.match(k) or k not in table.column_names for k in keys):
         raise DeltaSinkError(
-            f"merge into {path}: key {key!r} must be a plain column name present in the rows "
+            f"merge into {path}: key {key!r} must be plain column name(s) present in the rows "
             f"({table.column_names})"
         )
+    key_text = ",".join(keys)
     delta = _open(path)
     txns = []
     if app_id is not None and version is not None:
@@ -617,17 +726,19 @@ def merge_insert_missing(
         if current is None or version > current:
             txns = [Transaction(app_id=app_id, version=version)]
     props = CommitProperties(
-        custom_metadata={"isb.operation": "merge_insert_missing", "isb.key": key},
+        custom_metadata={**(metadata or {}), "isb.operation": "merge_insert_missing",
+                         "isb.key": key_text},
         app_transactions=txns or None,
     )
     if delta is None:
-        write_deltalake(path, table, mode="append", commit_properties=props)
+        write_deltalake(path, table, mode="append", commit_properties=props,
+                        partition_by=list(partition_by) or None)
         return MergeResult(DeltaTable(path).version(), table.num_rows)
     _check_schema(delta, table.schema, f"merge into {path}")
     metrics = (
         delta.merge(
             table,
-            predicate=f"t.{key} = s.{key}",
+            predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
             source_alias="s",
             target_alias="t",
             commit_properties=props,

@@ -32,6 +32,16 @@ buffers up to it, and writes the step's heartbeat. Triggers:
   committed, stops the query and reports ``drained`` with its final offsets.
 
 Relative sink paths and checkpoints live under the data dir.
+
+Sinks record the source offsets they commit in the offset ledger
+(:mod:`isbflow.recovery.ledger`). For recovery (:mod:`isbflow.recovery.recover`)
+the runner takes ``starting_offsets`` (vertex -> the reader's ``startingOffsets``
+JSON, used by a query without a checkpoint) and ``sink_mode`` (``merge``:
+sinks insert only rows whose key they lack; ``merge_keys`` names the key of a
+sink whose rows have no ``_isb_id``). A sink's app id carries the pipeline's
+*checkpoint epoch* (:func:`checkpoint_epoch`, bumped by recovery when it moves
+checkpoints aside) so a fresh checkpoint's batch ids are not taken for
+batches the table already holds.
 """
 
 from __future__ import annotations
@@ -63,6 +73,16 @@ ERROR_COLUMN = "_isb_error"
 
 class StepError(Exception):
     """A step could not be built or failed; the message names the step."""
+
+
+def epoch_file(data_dir: Path, pipeline: str) -> Path:
+    return Path(data_dir) / "checkpoints" / f"{pipeline}.epoch"
+
+
+def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
+    """The pipeline's checkpoint epoch: 0 until recovery first moves its checkpoints aside."""
+    f = epoch_file(data_dir, pipeline)
+    return int(f.read_text().strip() or 0) if f.exists() else 0
 
 
 def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
@@ -114,6 +134,16 @@ class RunningQuery:
     inputs: list[str]  # input stream names (for committed offsets, lag, release)
     seen_batch: int = -1
     stats_dir: str | None = None
+    writer: Any = None  # the DataStreamWriter, to start the query again from its checkpoint
+    restarts: int = 0
+
+
+#: Failures of Spark's Python-worker plumbing, not of the data: on a loaded small
+#: machine a new Python worker can miss Spark's fixed 10 s connect-back window.
+#: A query that hits one is started again from its checkpoint (the batch re-runs;
+#: frame ids and the sink's app transaction make that exactly-once), a few times.
+TRANSIENT_FAILURES = ("Python worker failed to connect back",)
+MAX_RESTARTS = 3
 
 
 @dataclass
@@ -144,7 +174,8 @@ class _Nats:
 
 class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
-                 processing_time: str = "1 second"):
+                 processing_time: str = "1 second", starting_offsets: dict[str, dict] | None = None,
+                 sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None):
         self.spark = spark
         self.specs = specs
         self.p = pipeline
@@ -158,12 +189,20 @@ class PipelineRunner:
         self.runs: dict[str, StepRun] = {}
         self.nats = _Nats(settings)
         self.settings_json = settings_to_json(settings)
+        self.starting_offsets = starting_offsets or {}
+        self.sink_mode = sink_mode
+        self.merge_keys = merge_keys or {}
 
     # ------------------------------------------------------------------ planning
     def sink_path(self, v: Vertex) -> str:
         assert v.sink is not None
         path = Path(v.sink.delta.path)
         return str(path if path.is_absolute() else self.data_dir / path)
+
+    def sink_app_id(self, vertex: str) -> str:
+        """The sink's Delta app id: ``<pipeline>/<vertex>``, plus ``#e<epoch>`` after a recovery."""
+        epoch = checkpoint_epoch(self.data_dir, self.p.name)
+        return f"{self.p.name}/{vertex}" + (f"#e{epoch}" if epoch else "")
 
     def checkpoint(self, vertex: str, to: str | None) -> str:
         name = vertex if to is None else f"{vertex}-to-{to}"
@@ -261,6 +300,8 @@ class PipelineRunner:
              .option("readMaxRows", str(limits.readBatchSize))
              .option("onBufferLoss", v.onBufferLoss.value)
              .option("pipeline", self.p.name).option("vertex", vertex))
+        if vertex in self.starting_offsets:
+            r = r.option("startingOffsets", json.dumps(self.starting_offsets[vertex]))
         if v.source:
             return r.option("mode", "events").option("sourceName", vertex).load()
         return r.option("mode", "frames").schema(self._input_schema(vertex)).load()
@@ -277,7 +318,11 @@ class PipelineRunner:
         targets: list[tuple[str | None, Any]] = []
         if v.sink:
             w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
-                 .option("appId", f"{self.p.name}/{vertex}"))
+                 .option("appId", self.sink_app_id(vertex))
+                 .option("pipeline", self.p.name).option("sink", vertex)
+                 .option("settings", self.settings_json).option("mode", self.sink_mode))
+            if vertex in self.merge_keys:
+                w = w.option("mergeKey", ",".join(self.merge_keys[vertex]))
             if v.sink.delta.partitionBy:
                 w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
             targets.append((None, w))
@@ -302,7 +347,7 @@ class PipelineRunner:
             w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.processing_time)
             q = w.start()
             stats_dir = None if to is None else str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{to}")
-            run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir))
+            run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir, writer=w))
         run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
                                    pid=os.getpid())
         self.runs[vertex] = run
@@ -385,9 +430,25 @@ class PipelineRunner:
         assert run.status is not None
         self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
 
+    def _restart_if_transient(self, run: StepRun, rq: RunningQuery, exc: BaseException) -> bool:
+        """Start a query that failed transiently again from its checkpoint; False if not transient
+        or out of restarts."""
+        text = str(exc)
+        if rq.restarts >= MAX_RESTARTS or not any(m in text for m in TRANSIENT_FAILURES):
+            return False
+        rq.restarts += 1
+        if run.status is not None:
+            run.status.restarts += 1
+        log.warning("step %s: query %s failed transiently (%s); restart %d of %d from its checkpoint",
+                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, MAX_RESTARTS)
+        rq.query = rq.writer.start()
+        return True
+
     def _check_failed(self, run: StepRun) -> None:
         for rq in run.queries:
             exc = rq.query.exception()
+            if exc is not None and self._restart_if_transient(run, rq, exc):
+                continue
             if exc is not None:
                 assert run.status is not None
                 run.status.state = st.Observed.FAILED
@@ -409,7 +470,13 @@ class PipelineRunner:
             run = self._start(vertex, available_now=True)
             self._heartbeat(run)
             for rq in run.queries:
-                rq.query.awaitTermination()
+                while True:
+                    try:
+                        rq.query.awaitTermination()
+                        break
+                    except Exception as e:  # noqa: BLE001 - StreamingQueryException; reported below
+                        if not self._restart_if_transient(run, rq, e):
+                            break
             self._check_failed(run)
             self._bookkeep(run)
             assert run.status is not None
