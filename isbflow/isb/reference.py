@@ -71,15 +71,23 @@ async def _entries(kv: Any) -> dict[str, bytes]:
     from nats.js.kv import KV_DEL, KV_PURGE
 
     out: dict[str, bytes] = {}
+    # Read up to the bucket stream's last sequence as of now. The watcher's first
+    # None ("initial values done") can come before the stored entries under load,
+    # which once made a step plan an empty reference table.
+    last = (await kv.status()).stream_info.state.last_seq
+    if last == 0:
+        return out
     watcher = await kv.watchall()
     try:
         async for entry in watcher:
-            if entry is None:  # the end of what was stored when the watch began
-                break
+            if entry is None:
+                continue
             if entry.operation in (KV_DEL, KV_PURGE):
                 out.pop(entry.key, None)
             else:
                 out[entry.key] = entry.value
+            if entry.revision >= last:
+                break
     finally:
         await watcher.stop()
     return out
