@@ -59,6 +59,7 @@ class StepStatus:
     dlq_total: int = 0
     discarded_total: int = 0
     late_total: int = 0
+    restarts: int = 0  # queries restarted from their checkpoint after a transient failure
     error: str | None = None
     final_offsets: dict[str, Any] | None = None
     app: str | None = None  # Spark application id / launch id

@@ -1,0 +1,40 @@
+"""The runner's restart policy for transient Spark failures (a fast unit test: the
+query and writer are stand-ins; restarting from a checkpoint itself is Spark's)."""
+
+from __future__ import annotations
+
+from isbflow.steps.runner import MAX_RESTARTS, PipelineRunner, RunningQuery, StepRun
+from isbflow.steps.state import StepStatus
+
+
+class _Writer:
+    def __init__(self):
+        self.starts = 0
+
+    def start(self):
+        self.starts += 1
+        return f"query-{self.starts}"
+
+
+def _run():
+    writer = _Writer()
+    rq = RunningQuery("raw", None, "query-0", [], writer=writer)
+    return StepRun("raw", [rq], StepStatus("raw")), rq, writer
+
+
+def test_connect_back_timeouts_restart_the_query_a_bounded_number_of_times():
+    runner = PipelineRunner.__new__(PipelineRunner)  # no NATS or Spark needed for the policy
+    run, rq, writer = _run()
+    exc = RuntimeError("[STREAM_FAILED] ... org.apache.spark.SparkException: Python worker failed to connect back.")
+    for i in range(MAX_RESTARTS):
+        assert runner._restart_if_transient(run, rq, exc)
+        assert rq.query == f"query-{i + 1}"
+    assert not runner._restart_if_transient(run, rq, exc)  # out of restarts: the step fails
+    assert writer.starts == MAX_RESTARTS and run.status.restarts == MAX_RESTARTS
+
+
+def test_other_failures_are_not_retried():
+    runner = PipelineRunner.__new__(PipelineRunner)
+    run, rq, writer = _run()
+    assert not runner._restart_if_transient(run, rq, RuntimeError("BufferLost: buffer x lost sequences 1-9"))
+    assert writer.starts == 0 and rq.query == "query-0"
