@@ -60,6 +60,16 @@ def load_or_exit(files: list[Path]) -> Specs:
         fail(str(e), 2)
 
 
+def pipeline_or_exit(files: list[Path], pipeline: str | None):
+    """Load the spec files and pick the pipeline: the only one, or the one named by
+    ``--pipeline``. Exits 2 with one line when it is not there."""
+    specs = load_or_exit(files)
+    p = specs.pipelines.get(pipeline) if pipeline else specs.only_pipeline()
+    if p is None:
+        fail(f"no pipeline named {pipeline!r} in {', '.join(map(str, files))}", 2)
+    return specs, p
+
+
 def data_dir_or_default(data_dir: Path | None) -> Path:
     return data_dir if data_dir is not None else default_data_dir()
 

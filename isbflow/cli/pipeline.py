@@ -18,7 +18,7 @@ from isbflow.cli.common import (
     console,
     data_dir_or_default,
     fail,
-    load_or_exit,
+    pipeline_or_exit,
     print_json,
     run,
     settings_or_exit,
@@ -39,18 +39,10 @@ TriggerOpt = Annotated[Trigger, typer.Option(
 MasterOpt = Annotated[str, typer.Option(help="Spark master, e.g. local[2] or spark://127.0.0.1:7077.")]
 
 
-def _pipeline(files, pipeline):
-    specs = load_or_exit(files)
-    p = specs.pipelines.get(pipeline) if pipeline else specs.only_pipeline()
-    if p is None:
-        fail(f"no pipeline named {pipeline!r} in {', '.join(map(str, files))}", 2)
-    return specs, p
-
-
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out):
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
-    specs, p = _pipeline(files, pipeline)
+    specs, p = pipeline_or_exit(files, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     dd = data_dir_or_default(data_dir)
     spark = spark_session(master, app_name=f"isbflow-{p.name}")
@@ -108,7 +100,7 @@ def run_step(
 
     Example: isbflow step run -f pipelines/logs.yaml --step parse
     """
-    specs, p = _pipeline(file, pipeline)
+    specs, p = pipeline_or_exit(file, pipeline)
     if step not in {v.name for v in p.spec.vertices}:
         fail(f"pipeline {p.name!r} has no step {step!r} (steps: {', '.join(p.topological_order())})", 2)
     _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out)
@@ -129,7 +121,7 @@ def drain(
     from isbflow.isb.connect import connect
     from isbflow.steps.drain import DrainTimeout, drain_pipeline
 
-    specs, p = _pipeline(file, pipeline)
+    specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
 
     async def go():
@@ -162,7 +154,7 @@ def status(
     from isbflow.isb.connect import connect
     from isbflow.steps.state import all_status, get_desired
 
-    specs, p = _pipeline(file, pipeline)
+    specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     order = p.topological_order()
 

@@ -22,6 +22,7 @@ from isbflow.cli.common import (
     err_console,
     fail,
     load_or_exit,
+    pipeline_or_exit,
     print_json,
     settings_or_exit,
 )
@@ -30,14 +31,6 @@ app = typer.Typer(help="Data quality of the sinks: GX suites, built-in checks, r
                   no_args_is_help=True)
 SinkOpt = Annotated[list[str] | None, typer.Option("--sink", "-s", help="Sink vertex (repeat; default: all sinks).")]
 MasterOpt = Annotated[str, typer.Option(help="Spark master, e.g. local[2].")]
-
-
-def _pipeline(files, pipeline):
-    specs = load_or_exit(files)
-    p = specs.pipelines.get(pipeline) if pipeline else specs.only_pipeline()
-    if p is None:
-        fail(f"no pipeline named {pipeline!r} in {', '.join(map(str, files))}", 2)
-    return specs, p
 
 
 def _sinks(p, wanted: list[str] | None) -> list[str]:
@@ -77,7 +70,7 @@ def run_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = None,
     from isbflow.quality.run import QualityError, dead_letter_ids, expected_schema, run_quality
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
-    specs, p = _pipeline(file, pipeline)
+    specs, p = pipeline_or_exit(file, pipeline)
     names = _sinks(p, sink)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     dd = data_dir_or_default(data_dir)
@@ -134,7 +127,7 @@ def reports_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = N
     """The history of quality runs, newest first."""
     from isbflow.quality.reports import list_reports
 
-    _, p = _pipeline(file, pipeline)
+    _, p = pipeline_or_exit(file, pipeline)
     dd = data_dir_or_default(data_dir)
     found = [r for s in _sinks(p, sink) for r in list_reports(dd, p.name, s)]
     found.sort(key=lambda r: str(r.get("run_id")), reverse=True)
