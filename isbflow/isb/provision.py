@@ -334,7 +334,8 @@ class StreamStatus:
 async def _jetstream(settings: NatsSettings) -> AsyncIterator[JetStreamContext]:
     nc = await connect(settings, name="isbflow-provision")
     try:
-        yield nc.jetstream(timeout=10.0)
+        # creating an R3 stream forms a raft group: allow for a busy small machine
+        yield nc.jetstream(timeout=30.0)
     finally:
         await nc.close()
 

@@ -175,6 +175,22 @@ def _healthy(http_port: int) -> bool:
         return False
 
 
+def _meta_ready(nodes: list[NodeState]) -> bool:
+    """Every node sees a JetStream meta leader, and the leader sees all its peers current:
+    before that, creating an R3 stream can time out (seen on a busy 2-core machine)."""
+    for n in nodes:
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{n.http_port}/jsz", timeout=1) as r:
+                meta = json.load(r).get("meta_cluster") or {}
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        if not meta.get("leader"):
+            return False
+        if meta["leader"] == n.name and not all(p.get("current") for p in meta.get("replicas") or []):
+            return False
+    return True
+
+
 def nats_dir(data_dir: Path) -> Path:
     return Path(data_dir) / "nats"
 
@@ -339,6 +355,14 @@ def start_embedded(
             )
         if pending:
             time.sleep(0.1)
+    while len(nodes) > 1 and not _meta_ready(nodes):
+        if time.monotonic() > deadline:
+            _kill_nodes(nodes)
+            state_file.unlink(missing_ok=True)
+            raise EmbeddedNatsError(
+                f"the JetStream cluster formed no meta leader with every peer current after {timeout:.0f}s "
+                f"(logs under {ndir})")
+        time.sleep(0.1)
     return state
 
 
