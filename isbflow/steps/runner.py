@@ -429,6 +429,7 @@ class PipelineRunner:
     def _heartbeat(self, run: StepRun) -> None:
         assert run.status is not None
         self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
+        self.nats.run(st.record_rates(self.nats.nc, self.p.name, run.status))  # the UI's rate chart
 
     def _restart_if_transient(self, run: StepRun, rq: RunningQuery, exc: BaseException) -> bool:
         """Start a query that failed transiently again from its checkpoint; False if not transient

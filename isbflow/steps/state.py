@@ -9,7 +9,9 @@
     ``<stream>`` that step ``<vertex>`` has committed downstream (a sink's Delta
     commit, a step's batch commit). Writers read it for backpressure; space in
     WorkQueue/Interest buffers is released up to it;
-  - ``drain.<vertex>``: the end offsets frozen when the step started draining.
+  - ``drain.<vertex>``: the end offsets frozen when the step started draining;
+  - ``rates.<vertex>``: the step's rates over the last hour, one point per minute
+    (:func:`record_rates`, written with every heartbeat; read by the Airflow UI plugin).
 
 Keys and values are plain text/JSON so any NATS client (``nats kv get``) can
 read them.
@@ -18,6 +20,7 @@ read them.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -149,3 +152,63 @@ async def clear_drain_point(nc, pipeline: str, vertex: str) -> None:
         await kv.delete(f"drain.{vertex}")
     except (KeyNotFoundError, NotFoundError):
         pass
+
+
+# ------------------------------------------------------------------ rate history
+
+RATE_POINTS = 60  # one hour ...
+RATE_STEP_S = 60.0  # ... of one-minute points
+
+
+def rates_key(vertex: str) -> str:
+    return f"rates.{vertex}"
+
+
+async def record_rates(nc, pipeline: str, status: StepStatus, now: float | None = None,
+                       points: int = RATE_POINTS, step_s: float = RATE_STEP_S) -> list[dict[str, float]]:
+    """Fold one heartbeat's rates into the step's bounded history (``rates.<vertex>``); return it.
+
+    A point is one ``step_s`` interval: ``t`` (its start, epoch seconds), ``in`` and
+    ``out`` (mean input / processed rows/s over the heartbeats in it), ``n`` (how
+    many), ``rows`` and ``at`` (the step's ``rows_total`` and the time of the last
+    one). A heartbeat whose ``rows_total`` did not move since the previous one
+    counts as 0 rows/s: the status keeps the last micro-batch's rates while a step
+    idles, the chart should not. Points older than ``points * step_s`` are dropped,
+    so the value stays small (about 4 KB) however long the step runs.
+    """
+    now = time.time() if now is None else now
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    key = rates_key(status.vertex)
+    raw = await _get(kv, key)
+    try:
+        history: list[dict[str, float]] = json.loads(raw) if raw else []
+    except ValueError:  # a value no reader could use: start over rather than stop the heartbeat
+        history = []
+    last = history[-1] if history else None
+    t = math.floor(now / step_s) * step_s
+    if last is not None and float(last.get("t", 0)) > t:  # a heartbeat older than the history: ignore it
+        return history
+    idle = last is not None and int(last.get("rows", -1)) == status.rows_total
+    rate_in = 0.0 if idle else float(status.input_rows_per_s)
+    rate_out = 0.0 if idle else float(status.processed_rows_per_s)
+    if last is not None and last.get("t") == t:
+        n = int(last.get("n", 1))
+        last["in"] = (float(last.get("in", 0.0)) * n + rate_in) / (n + 1)
+        last["out"] = (float(last.get("out", 0.0)) * n + rate_out) / (n + 1)
+        last.update(n=n + 1, rows=status.rows_total, at=now)
+    else:
+        history.append({"t": t, "in": rate_in, "out": rate_out, "n": 1, "rows": status.rows_total, "at": now})
+    oldest = t - (points - 1) * step_s
+    history = [p for p in history if float(p.get("t", 0)) >= oldest][-points:]
+    await kv.put(key, json.dumps(history, separators=(",", ":")).encode())
+    return history
+
+
+async def get_rates(nc, pipeline: str, vertex: str) -> list[dict[str, float]]:
+    """The step's rate history (see :func:`record_rates`), oldest first; empty when none."""
+    kv = await _kv(nc, naming.status_bucket(pipeline))
+    raw = await _get(kv, rates_key(vertex))
+    try:
+        return json.loads(raw) if raw else []
+    except ValueError:
+        return []
