@@ -24,7 +24,8 @@ with DAG(
     doc_md=__doc__,
     params={
         "pipeline": pipeline_param(pipelines_dir(__file__)),
-        "master": Param("local[2]", type="string", title="Spark master"),
+        "master": Param("local[2]", type="string", title="Spark master",
+                        description="local[N], or spark://host:7077 for a standalone cluster."),
     },
 ) as dag:
     PipelineBatchOperator(task_id="batch", pipeline_file="{{ params.pipeline }}",

@@ -254,6 +254,9 @@ class _AckCounter:
         self.acked = bytearray(count)
         self.done = self.duplicates = self.in_flight = self.unreported = 0
         self.errors: list[str] = []
+        #: 503 answers (no stream responded: in a cluster, while the stream elects a new leader);
+        #: such a message stays unacknowledged and is sent again like one whose ack never came
+        self.unavailable = 0
         self.progress = progress
         self.every = _PROGRESS_EVERY
         self.room = asyncio.Event()
@@ -266,9 +269,10 @@ class _AckCounter:
         k = int(msg.subject[msg.subject.rfind(".") + 1:]) - self.start
         data = msg.data
         if not data or data.find(b'"error"') >= 0:
-            status = (msg.headers or {}).get("Status")
-            self.errors.append("no stream took the message" if status == "503"
-                               else data.decode(errors="replace"))
+            if (msg.headers or {}).get("Status") == "503":
+                self.unavailable += 1
+                return
+            self.errors.append(data.decode(errors="replace"))
             return
         if self.acked[k]:
             return
@@ -378,15 +382,19 @@ async def produce(
                     last, idle_since = acks.done, time.monotonic()
                 elif time.monotonic() - idle_since > _ACK_TIMEOUT:
                     break
+                elif acks.in_flight <= 0 and acks.unavailable:  # every reply is in: resend the 503s
+                    await asyncio.sleep(1.0)  # (a leader election takes a moment)
+                    break
             if acks.errors:
                 raise refused()
             if acks.done == count:
                 break
-            acks.in_flight = 0
+            acks.in_flight = acks.unavailable = 0
             await send(iter(acks.missing()))
         if acks.done < count:
+            why = f" ({acks.unavailable} answered 'no stream took the message')" if acks.unavailable else ""
             raise ProduceFailed(f"{count - acks.done} of {count} messages to {subject} (stream {stream}) were "
-                                f"never acknowledged by {settings.display}; re-run the same command: "
+                                f"never acknowledged by {settings.display}{why}; re-run the same command: "
                                 "ids make it safe")
         seconds = time.perf_counter() - t0
         acks.report_progress()

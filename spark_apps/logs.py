@@ -11,7 +11,11 @@ of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
   ``tier``) on ``service``; a service missing from it gets team ``unknown``.
 - :func:`per_minute`: 1-minute event-time tumbling windows per service, with a
   2-minute watermark: ``window_start, window_end, service, count, errors,
-  latency_avg, latency_p95``.
+  latency_avg, latency_p95``. The spec runs it with ``output: update`` and
+  ``keys: [window_start, service]``: each micro-batch emits the current value of
+  every window it changed, and the agg sink upserts them. On a batch DataFrame
+  the watermark is a no-op, so the same function recomputes windows exactly
+  (:func:`isbflow.sinks.aggregates.recompute_windows`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def enrich(df: DataFrame, services: DataFrame) -> DataFrame:
 
 
 def per_minute(df: DataFrame) -> DataFrame:
+    """Per (minute, service): count, errors, mean and p95 latency. Streaming: rows later than the
+    watermark are dropped (and counted by the runner); batch: every row counts."""
     return (df
             .withWatermark("ts", WATERMARK)
             .groupBy(F.window("ts", WINDOW), F.col("service"))

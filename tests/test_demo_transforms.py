@@ -117,3 +117,43 @@ def test_the_chain_runs_as_a_stream_from_landed_files(spark, tmp_path):
     assert len(keys) == len(set(keys))  # append mode: each window once
     for r, key in zip(emitted, keys, strict=True):
         assert r["count"] == len(groups[key])
+
+
+def test_per_minute_in_update_mode_emits_every_window_open_ones_too(spark, tmp_path):
+    """The spec runs per_minute with output: update: the latest row of each window over all
+    micro-batches equals the batch result, windows the watermark never closed included."""
+    from isbflow.connector.files import FilesDataSource, land
+
+    spark.dataSource.register(FilesDataSource)
+    for k in range(3):
+        land(tmp_path / "in", f"{k:04d}.jsonl", [b for _, b in P.iter_payloads(SEED, k * 10_000, 10_000)])
+    schema = load_specs([ROOT / "pipelines" / "logs.yaml"]).only_pipeline().vertex("in").source.schema_
+    services = spark.createDataFrame([("checkout", "commerce", 1)], "service STRING, team STRING, tier INT")
+    stream = (spark.readStream.format("isb-files").option("path", str(tmp_path / "in"))
+              .option("readMaxRows", "10000").load()
+              .select(F.from_json("value", schema).alias("e"), "_isb_id").select("e.*", "_isb_id"))
+    latest: dict[tuple[datetime, str], dict] = {}
+    batches: list[int] = []
+
+    def keep_latest(df, batch_id):
+        batches.append(batch_id)
+        for r in df.collect():
+            latest[(r["window_start"].replace(tzinfo=UTC), r["service"])] = r.asDict()
+
+    q = (logs.per_minute(logs.enrich(logs.parse(stream), services)).writeStream.outputMode("update")
+         .foreachBatch(keep_latest)
+         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+    q.awaitTermination(300)
+    assert q.exception() is None
+    assert len(batches) >= 3  # three files of 10,000 rows: several batches changed windows
+
+    groups: dict[tuple[datetime, str], list[dict]] = defaultdict(list)
+    for e in P.events(SEED, 0, COUNT):
+        groups[(_ts(e).replace(second=0, microsecond=0), e["service"])].append(e)
+    assert set(latest) == set(groups)  # every window, the last (still open) minutes too
+    newest = max(start for start, _ in groups)
+    assert any(start == newest for start, _ in latest)
+    for key, r in latest.items():
+        evs = groups[key]
+        assert r["count"] == len(evs), key
+        assert r["errors"] == sum(1 for e in evs if e["status"] >= 500 or e["level"] == "ERROR"), key

@@ -1,24 +1,32 @@
 """The demo pipeline end to end on a real nats-server and a real SparkSession:
-available-now (the batch mode) and continuous with the drain protocol."""
+available-now (the batch mode) and continuous with the drain protocol.
+
+The aggregate sink is compared with a batch recomputation (the same
+``per_minute`` on the raw sink's rows, where the watermark does nothing) over
+ALL windows, including those still open when the run ends: ``minutely`` has
+``output: update`` and the agg sink upserts every window it changes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
-from collections import Counter
+from datetime import timedelta
 
 import pytest
 from deltalake import DeltaTable
+from pyspark.sql import functions as F
 
 from isbflow.connector.dlq import read_dead_letters
 from isbflow.isb import provision, reference
 from isbflow.isb.connect import connect
 from isbflow.produce import is_malformed, produce
+from isbflow.quality.run import read_version
 from isbflow.spec import load_specs
 from isbflow.steps.drain import drain_pipeline
 from isbflow.steps.runner import PipelineRunner
 from isbflow.steps.state import Observed
+from spark_apps import logs
 from tests.conftest import ROOT
 
 MALFORMED_EVERY = 500
@@ -53,6 +61,40 @@ def check_sinks(data_dir, settings, p, expected_ids):
     return raw, letters
 
 
+def batch_windows(spark, data_dir, exclude=frozenset()):
+    """per_minute over the raw sink's rows in batch (no watermark), minus the ``exclude`` ids."""
+    raw, _, _ = read_version(spark, str(data_dir / "sinks/logs/raw"))
+    if exclude:
+        raw = raw.filter(~F.col("_isb_id").isin(sorted(exclude)))
+    return logs.per_minute(raw).toArrow().to_pylist()
+
+
+def check_agg_is_batch_recount(spark, data_dir, exclude=frozenset()):
+    """Every window of the agg sink equals the batch recomputation, and every recomputed window is
+    in the sink (open ones too); returns the windows by (window_start, service)."""
+    agg = DeltaTable(str(data_dir / "sinks/logs/agg")).to_pyarrow_table().to_pylist()
+    got = {(r["window_start"], r["service"]): r for r in agg}
+    assert len(got) == len(agg), "a window twice in the agg sink"
+    want = {(r["window_start"], r["service"]): r for r in batch_windows(spark, data_dir, exclude)}
+    assert want, "the raw sink holds no rows"
+    assert sorted(set(want) - set(got)) == [], "windows missing from the agg sink"
+    assert sorted(set(got) - set(want)) == [], "windows in the agg sink the raw rows do not make"
+    for key, w in want.items():
+        g = got[key]
+        assert (g["window_end"], g["count"], g["errors"], g["latency_p95"]) == (
+            w["window_end"], w["count"], w["errors"], w["latency_p95"]), key
+        assert g["latency_avg"] == pytest.approx(w["latency_avg"], rel=1e-9), key
+    return got
+
+
+def assert_has_open_windows(windows, watermark=timedelta(minutes=2)):
+    """Some windows end after the watermark (newest window end - 2 min): append mode would never
+    have emitted them."""
+    newest = max(w["window_end"] for w in windows.values())
+    open_ = [k for k, w in windows.items() if w["window_end"] > newest - watermark]
+    assert open_, "no window was still open at the end of the run"
+
+
 def test_available_now_end_to_end(spark, demo):
     specs, p, settings, data_dir = demo
     count = 20_000  # 200 s of event time: the watermark (2 min) closes the first windows
@@ -69,19 +111,16 @@ def test_available_now_end_to_end(spark, demo):
     assert len(letters) == malformed
     assert all("malformed" in dl["reason"] and dl["step"] == "in" for dl in letters)
     assert out["in"].dlq_total == malformed
-    # aggregates: every emitted window equals a batch recomputation from the raw sink
-    agg = DeltaTable(str(data_dir / "sinks/logs/agg")).to_pyarrow_table().to_pylist()
-    assert agg, "no window was closed by the watermark"
-    recomputed = Counter()
-    for ts, service in zip(raw.column("ts").to_pylist(), raw.column("service").to_pylist(), strict=True):
-        recomputed[(ts.replace(second=0, microsecond=0, tzinfo=None), service)] += 1
-    for row in agg:
-        key = (row["window_start"].replace(tzinfo=None), row["service"])
-        assert row["count"] == recomputed[key], key
-    assert len({(r["window_start"], r["service"]) for r in agg}) == len(agg)
+    # aggregates: every window, the ones still open at the end of the run too, equals a batch
+    # recomputation from the raw sink
+    windows = check_agg_is_batch_recount(spark, data_dir)
+    assert_has_open_windows(windows)
+    assert out["minutely"].late_total == 0
+    agg_version = DeltaTable(str(data_dir / "sinks/logs/agg")).version()
 
-    # late records: events far behind the watermark are dropped by the window
-    # (counted in the step's status) but still land in the raw sink
+    # late records: events far behind the watermark (all in the first 10 s of event time) are
+    # dropped by the window (counted in the step's status) but still land in the raw sink; the
+    # agg sink does not change
     late = 1000
     asyncio.run(produce(settings, p, count=late, seed=8, start=0))
     runner = PipelineRunner(spark, specs, p, settings, data_dir)
@@ -89,9 +128,18 @@ def test_available_now_end_to_end(spark, demo):
         again = runner.run_available_now()
     finally:
         runner.close()
-    assert again["minutely"].late_total > 0
     raw_after = DeltaTable(str(data_dir / "sinks/logs/raw")).to_pyarrow_table()
     assert raw_after.num_rows == raw.num_rows + late
+    late_ids = {f"in/0/{count + i + 1}" for i in range(late)}
+    assert late_ids <= set(raw_after.column("_isb_id").to_pylist())
+    # Spark counts rows dropped at the stateful operator (numRowsDroppedByWatermark); behind an
+    # aggregation those are its partial aggregates: one per (window, service) and input task, and
+    # the 1000 late records reach minutely in one task
+    raw_df, _, _ = read_version(spark, str(data_dir / "sinks/logs/raw"))
+    late_groups = logs.per_minute(raw_df.filter(F.col("_isb_id").isin(sorted(late_ids)))).count()
+    assert again["minutely"].late_total == late_groups > 0
+    assert DeltaTable(str(data_dir / "sinks/logs/agg")).version() == agg_version
+    assert check_agg_is_batch_recount(spark, data_dir, exclude=late_ids) == windows
 
 
 def test_continuous_then_drain_processes_everything_once(spark, demo):
@@ -130,6 +178,8 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     assert all(s.state == Observed.DRAINED for s in final.values())
     assert final["in"].final_offsets == {"src-logs-in": 5000}
     check_sinks(data_dir, settings, p, good_ids(0, 5000))
+    # 50 s of event time: the watermark closes no window, yet every window is in the agg sink
+    assert_has_open_windows(check_agg_is_batch_recount(spark, data_dir))
 
 
 @pytest.mark.parametrize("retention", ["WorkQueue", "Interest"])
@@ -157,6 +207,7 @@ def test_buffers_are_released_after_the_downstream_commit(spark, nats_server, tm
     finally:
         runner.close()
     check_sinks(tmp_path, settings, p, good_ids(0, 3000))
+    check_agg_is_batch_recount(spark, tmp_path)
     streams = [naming.source_stream(p, "in")] + [ep.stream for ep in naming.edge_partitions(p)]
     held = asyncio.run(provision.status(settings, specs))
     left = {s.name: s.messages for s in held if s.name in streams and s.messages}

@@ -37,9 +37,13 @@ TriggerOpt = Annotated[Trigger, typer.Option(
     help="continuous: run until drained; available-now: process what the sources hold now, "
          "step by step in topological order, then return (the batch mode of the same code).")]
 MasterOpt = Annotated[str, typer.Option(help="Spark master, e.g. local[2] or spark://127.0.0.1:7077.")]
+MetricsPortOpt = Annotated[int, typer.Option(
+    help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (-1: a free port; 0: off; bind address: "
+         "ISBFLOW_METRICS_HOST). Recorded as a Prometheus file_sd target in <data dir>/metrics/.",
+    envvar="ISBFLOW_METRICS_PORT", min=-1, max=65535)]
 
 
-def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out):
+def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0):
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
     specs, p = pipeline_or_exit(files, pipeline)
@@ -48,6 +52,13 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out):
     spark = spark_session(master, app_name=f"isbflow-{p.name}")
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, dd)
+    metrics = None
+    if metrics_port:
+        from isbflow.steps.metrics import serve
+
+        metrics = serve(runner, metrics_port, dd, key=p.name + (f".{steps[0]}" if steps else ""))
+        if not json_out:
+            console.print(f"metrics on {metrics.url}")
     started = time.time()
     try:
         if trigger == Trigger.AVAILABLE_NOW:
@@ -63,6 +74,8 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out):
         out = {}
     finally:
         runner.close()
+        if metrics is not None:
+            metrics.close()
     if json_out:
         print_json({"pipeline": p.name, "seconds": round(time.time() - started, 3),
                     "steps": {v: s.to_json() for v, s in out.items()}})
@@ -77,12 +90,13 @@ def run_pipeline(
     data_dir: DataDir = None,
     nats_url: NatsUrl = None,
     json_out: JsonOut = False,
+    metrics_port: MetricsPortOpt = 0,
 ) -> None:
     """Run every step of a pipeline in one Spark application.
 
     Example: isbflow pipeline run -f pipelines/logs.yaml --trigger available-now
     """
-    _run(file, pipeline, data_dir, nats_url, trigger, master, None, json_out)
+    _run(file, pipeline, data_dir, nats_url, trigger, master, None, json_out, metrics_port)
 
 
 @step_app.command("run")
@@ -95,6 +109,7 @@ def run_step(
     data_dir: DataDir = None,
     nats_url: NatsUrl = None,
     json_out: JsonOut = False,
+    metrics_port: MetricsPortOpt = 0,
 ) -> None:
     """Run one step (its own Spark application): e.g. one per machine on a cluster.
 
@@ -103,7 +118,7 @@ def run_step(
     specs, p = pipeline_or_exit(file, pipeline)
     if step not in {v.name for v in p.spec.vertices}:
         fail(f"pipeline {p.name!r} has no step {step!r} (steps: {', '.join(p.topological_order())})", 2)
-    _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out)
+    _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out, metrics_port)
 
 
 @app.command()

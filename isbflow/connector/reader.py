@@ -292,8 +292,9 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
 
         Detects buffer loss against ``start`` (see module doc). ``ReadMaxRows(n)``
         admits ``n`` events or ``ceil(n / frameRows)`` frames, shared fairly across
-        streams; ``ReadAllAvailable`` admits everything. Under availableNow never
-        past the frozen target. Returns ``start`` unchanged when there is nothing new.
+        streams (at least one message for every stream with data); ``ReadAllAvailable``
+        admits everything. Under availableNow never past the frozen target. Returns
+        ``start`` unchanged when there is nothing new.
         """
         begin = off.from_json(start)
         states = self._states()
@@ -321,7 +322,11 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
             available[s] = max(0, hi - base.seq)
             self._seen[s] = (st.incarnation, st.last_seq)
         if isinstance(limit, ReadMaxRows):
-            take = off.fair_share(available, self.opts.max_messages(limit.max_rows))
+            # every stream with data advances in every batch (one message at least): a stream read to
+            # its end before the others runs ahead in event time, and a watermark downstream then
+            # drops the others' records as late
+            cap = max(self.opts.max_messages(limit.max_rows), sum(1 for n in available.values() if n > 0))
+            take = off.fair_share(available, cap)
         elif isinstance(limit, ReadAllAvailable) or limit is None:
             take = available
         else:  # Spark only passes the default limit or ReadAllAvailable

@@ -7,8 +7,10 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
    when its stream is missing, or is another incarnation than the one its
    reading step's checkpoint names, or its first sequence moved past that
    checkpoint's offset. Nothing lost: recover stops here.
-2. **drain** the steps that still run (a fresh ``running``/``draining``
-   heartbeat); skipped when nothing runs.
+2. **drain** the region's steps that still run (:func:`running_steps`: a fresh
+   ``running``/``draining`` heartbeat), upstream first; a step that fails, stops
+   or goes silent meanwhile no longer holds the drain up (:func:`drain_steps`).
+   Skipped when nothing runs.
 3. **recreate**: the *region* is every edge downstream of the sources feeding
    a lost buffer. All its edge streams are deleted and provisioned again from
    the spec (the lost ones are simply created). Surviving ones are recreated
@@ -31,11 +33,21 @@ Sinks without ``_isb_id`` (aggregates) cannot say which source offsets they
 hold, so they do not lower the low offset. In the replay they are merged on
 their *dimension* columns (every column not numeric: for a windowed aggregate
 the window bounds and group keys): a window the table already holds is kept as
-it was (it was complete when emitted), a window it lacks is added. A window
-still open in the stateful step when its state was dropped, with records below
-the low offset, is recomputed from the replayed records only: it comes out
-short. Recover reports these sinks as ``unverified``; ``reprocess`` of their
-range recomputes them exactly.
+it was, a window it lacks is added (its latest version in the batch). The
+replayed stateful step saw only records from the low offset on, so those
+windows can be short; the sink may also lack records below the low offset
+(no ledger says). So after the replay every aggregate sink fed by a
+``udf.output: update`` step is recomputed from the raw sink in batch, all its
+windows, in one commit (:func:`isbflow.sinks.aggregates.recompute_windows`):
+it then equals the batch recomputation. The replay phase reports
+``recomputed_windows`` per sink; an aggregate without a raw sink to recompute
+from stays as replayed (logged, ``recompute_failed``). Recover still reports
+these sinks as ``unverified`` (no ids to check).
+
+A buffer lost *during* the replay (its step fails) ends recover with a
+:class:`RecoveryError` naming it; running recover again completes the job: it
+replays from the ledger's low offset, which every sink commit so far has
+moved, and merges on ``_isb_id`` again.
 
 Records lost at the source itself (the source stream missing, or its first
 sequence past the low offset) cannot be replayed: they are reported as
@@ -66,6 +78,9 @@ log = logging.getLogger(__name__)
 
 #: a heartbeat younger than this means the step still runs
 RUNNING_HEARTBEAT_S = 30.0
+#: while draining, a step whose heartbeat has not moved for this long is taken as gone
+#: (its driver was killed); runners beat every 2 s
+SILENT_HEARTBEAT_S = 15.0
 
 
 class RecoveryError(Exception):
@@ -234,7 +249,80 @@ async def detect_loss(nc, p: Pipeline, data_dir: Path) -> list[LostBuffer]:
     return lost
 
 
+# ------------------------------------------------------------------ drain
+
+
+def running_steps(statuses: dict, now: float | None = None) -> list[str]:
+    """The steps of ``statuses`` (vertex -> StepStatus or None) that still run: a heartbeat younger
+    than :data:`RUNNING_HEARTBEAT_S` in state running or draining. (A runner whose step fails
+    reports its other steps ``stopped``; a killed driver's heartbeats go stale.)"""
+    from isbflow.steps.state import Observed
+
+    return [v for v, s in statuses.items()
+            if s is not None and s.age(now) < RUNNING_HEARTBEAT_S and s.state in (Observed.RUNNING, Observed.DRAINING)]
+
+
+async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5) -> dict[str, str]:
+    """Drain ``steps`` (those that run), upstream first; vertex -> how each ended.
+
+    Like :func:`isbflow.steps.drain.drain_pipeline` (a step is told to drain once every
+    running step feeding it has ended), but for a pipeline that has just lost a buffer:
+    a step that fails, stops, or whose heartbeat stays still for :data:`SILENT_HEARTBEAT_S`
+    (its driver was killed) has ended too (``failed``, ``stopped``, ``gone``) instead of
+    holding the drain up until the timeout. Raises
+    :class:`RecoveryError` naming the steps still running after ``timeout`` seconds.
+    """
+    import asyncio
+
+    from isbflow.steps import state as st
+
+    order = [v for v in p.topological_order() if v in steps]
+    ended: dict[str, str] = {}
+    told: set[str] = set()
+    beats: dict[str, tuple[float, float]] = {}  # vertex -> (heartbeat time, when we saw it change)
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = await st.all_status(nc, p.name, p.topological_order())
+        now = time.monotonic()
+        for v in order:
+            s = statuses.get(v)
+            if v in ended:
+                continue
+            if s is None:
+                ended[v] = "gone"
+            elif s.state in (st.Observed.DRAINED, st.Observed.FAILED, st.Observed.STOPPED):
+                ended[v] = str(s.state)
+            else:
+                seen = beats.get(v)
+                if seen is None or seen[0] != s.updated_at:
+                    beats[v] = (s.updated_at, now)
+                elif now - seen[1] > SILENT_HEARTBEAT_S:
+                    ended[v] = "gone"
+        for v in order:
+            if v not in told and v not in ended and all(e.from_ in ended or e.from_ not in steps
+                                                        for e in p.inputs(v)):
+                await st.set_desired(nc, p.name, v, st.Desired.DRAINING)
+                told.add(v)
+        if len(ended) == len(order):
+            return ended
+        if now > deadline:
+            stuck = [v for v in order if v not in ended]
+            raise RecoveryError(f"recover {p.name}: draining timed out after {timeout:.0f}s: step(s) "
+                                f"{', '.join(stuck)} still run; stop them, then run recover again")
+        await asyncio.sleep(poll)
+
+
 # ------------------------------------------------------------------ helpers
+
+
+def _aside_dir(parent: Path, stamp: str) -> Path:
+    """``parent/_recovered-<stamp>``, made unique (two recoveries within one second)."""
+    d, n = parent / f"_recovered-{stamp}", 1
+    while d.exists():
+        n += 1
+        d = parent / f"_recovered-{stamp}-{n}"
+    return d
+
 
 
 def _dimension_columns(schema) -> list[str]:
@@ -320,7 +408,7 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
     import asyncio
 
     from isbflow.steps import state as st
-    from isbflow.steps.runner import PipelineRunner, epoch_file
+    from isbflow.steps.runner import PipelineRunner, StepError, epoch_file
 
     data_dir = Path(data_dir).absolute()
     p = pipeline
@@ -367,19 +455,16 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
 
         # 2. drain what still runs
         t = time.monotonic()
-        statuses = run(st.all_status(nc, p.name, order))
-        running = [v for v, s in statuses.items() if s is not None and s.age() < RUNNING_HEARTBEAT_S
-                   and s.state in (st.Observed.RUNNING, st.Observed.DRAINING)]
+        statuses = run(st.all_status(nc, p.name, p.topological_order()))
+        running = [v for v in running_steps(statuses) if v in region]
         if running:
-            from isbflow.steps.drain import DrainTimeout, drain_pipeline
-
             try:
-                run(drain_pipeline(nc, p, timeout=drain_timeout))
-            except DrainTimeout as e:
+                ended = run(drain_steps(nc, p, running, timeout=drain_timeout))
+            except RecoveryError as e:
                 phases.add("drain", "failed", t, running=running, error=str(e))
-                raise RecoveryError(f"recover {p.name}: {e}; stop the pipeline's steps, then run recover "
-                                    "again") from None
-            phases.add("drain", "done", t, drained=running)
+                raise
+            phases.add("drain", "done", t, drained=[v for v, how in ended.items() if how == st.Observed.DRAINED],
+                       ended=ended)
         else:
             phases.add("drain", "skipped", t, reason="no step runs")
 
@@ -456,11 +541,12 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         stamp = time.strftime("%Y%m%dT%H%M%S")
         ck = data_dir / "checkpoints" / p.name
         stats = data_dir / "stats" / p.name
+        ck_aside, stats_aside = _aside_dir(ck, stamp), _aside_dir(stats, stamp)
         moved = []
         for v in order:
             names = [v, *[f"{v}-to-{e.to}" for e in p.outputs(v)]]
-            moved += _move_aside([ck / n for n in names], ck / f"_recovered-{stamp}")
-            moved += _move_aside([stats / n for n in names], stats / f"_recovered-{stamp}")
+            moved += _move_aside([ck / n for n in names], ck_aside)
+            moved += _move_aside([stats / n for n in names], stats_aside)
         from isbflow.steps.runner import checkpoint_epoch
 
         epoch = checkpoint_epoch(data_dir, p.name) + 1
@@ -477,10 +563,26 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
                                 sink_mode="merge", merge_keys=other_sinks)
         try:
             out = runner.run_available_now(only=order)
+            recomputed, recompute_failed = _recompute_aggregates(spark, runner, sink_vertices, data_dir)
+        except StepError as e:
+            lost_now = run(detect_loss(nc, p, data_dir))
+            if not lost_now:
+                raise
+            names = ", ".join(b.stream for b in lost_now)
+            phases.add("replay", "failed", t, steps=order, error=str(e).splitlines()[0][:500],
+                       lost=[asdict(b) for b in lost_now])
+            raise RecoveryError(f"recover {p.name}: buffer(s) {names} lost during the replay ({e}); run "
+                                "recover again: it replays from the ledger's low offset, which the sinks' "
+                                "commits so far have moved") from e
         finally:
             runner.close()
-        report.replayed_records = sum(out[s].rows_total for s in sources if s in out)
-        phases.add("replay", "done", t, steps=order, replayed_records=report.replayed_records)
+        # the sources' records from their low offsets on (the runner's rows_total of an available-now
+        # run counts its last micro-batch only); a files source counts what its step read
+        report.replayed_records = sum(max(0, last[part] - lo.low + 1) for part, lo in lows.items()) + sum(
+            out[s].rows_total for s in sources if s in out and p.vertex(s).source.jetstream is None)
+        phases.add("replay", "done", t, steps=order, replayed_records=report.replayed_records,
+                   recomputed_windows=recomputed, **({"recompute_failed": recompute_failed}
+                                                     if recompute_failed else {}))
 
         # 6. verify
         t = time.monotonic()
@@ -518,6 +620,27 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         if nc is not None:
             run(nc.close())
         loop.close()
+
+
+def _recompute_aggregates(spark, runner, sinks: list[str], data_dir: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """After the replay: every window of each aggregate sink (fed by a ``udf.output: update`` step)
+    recomputed from its raw sink, one commit per sink (module docstring). Returns
+    ({sink: windows written}, {sink: why it could not be recomputed})."""
+    from isbflow.sinks.aggregates import AggregateError, recompute_windows, update_step_of
+
+    done: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    for v in sinks:
+        try:
+            update_step_of(runner.p, v)
+        except AggregateError:
+            continue  # not an aggregate sink
+        try:
+            done[v] = recompute_windows(spark, runner, v, data_dir, None)
+        except AggregateError as e:
+            log.warning("recover %s: aggregate sink %s stays as replayed: %s", runner.p.name, v, e)
+            failed[v] = str(e)
+    return done, failed
 
 
 def _intersect(a: ledger.Ranges, b: ledger.Ranges) -> ledger.Ranges:

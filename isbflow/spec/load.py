@@ -380,7 +380,7 @@ def check_pipeline(pipeline: Pipeline, specs: Specs) -> list[tuple[str, str]]:
 def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str]]:
     """Rules across fields of one pipeline's ``spec``: ISB service reference,
     vertex names, roles against edges, dangling edges and vertices, cycles,
-    quality sinks.
+    quality sinks, edges of ``udf.output: update`` steps.
 
     Works on the raw mapping, so it also runs when some fields failed their
     own validation; what is malformed here is skipped (its field error says
@@ -453,6 +453,7 @@ def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str
     cycle = _find_cycle([(a, b) for a, b in edges if a in seen and b in seen and a != b])
     if cycle:
         out.append((("edges",), "cycle: " + " -> ".join(cycle)))
+    out.extend(_update_output_rules(raw_vertices, raw_edges, roles))
     raw_quality = spec.get("quality", [])
     if complete and isinstance(raw_quality, list):
         sinks = sorted(n for n, r in roles.items() if r == "sink")
@@ -470,6 +471,49 @@ def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str
                             "merge them into one"))
             elif isinstance(sink, str):
                 first_entry[sink] = i
+    return out
+
+
+def _update_output_rules(raw_vertices: list, raw_edges: list,
+                         roles: dict[str, str | None]) -> list[tuple[Loc, str]]:
+    """Edges of a step with ``udf.output: update`` (rows that change: an aggregate's windows).
+
+    Such rows only make sense to a sink that upserts them on the step's keys:
+    each edge must end in a sink, that sink may have no other input, and a
+    ``partitionKey`` must be one of the keys (every version of a key must land
+    in one edge partition, so the sink sees them in order).
+    """
+    keys: dict[str, list[str]] = {}
+    for v in raw_vertices:
+        udf = v.get("udf") if isinstance(v, dict) else None
+        if isinstance(udf, dict) and udf.get("output") == "update" and isinstance(v.get("name"), str):
+            k = udf.get("keys")
+            keys[v["name"]] = [x for x in k if isinstance(x, str)] if isinstance(k, list) else []
+    if not keys:
+        return []
+    out: list[tuple[Loc, str]] = []
+    inputs: dict[str, list[str]] = {}
+    for e in raw_edges:
+        if isinstance(e, dict) and isinstance(e.get("from"), str) and isinstance(e.get("to"), str):
+            inputs.setdefault(e["to"], []).append(e["from"])
+    for i, e in enumerate(raw_edges):
+        if not isinstance(e, dict) or e.get("from") not in keys or not isinstance(e.get("to"), str):
+            continue
+        a, b = e["from"], e["to"]
+        if roles.get(b) not in (None, "sink"):
+            out.append((("edges", i, "to"), f"{b!r} is a {roles[b]}: {a!r} has output 'update' (rows that "
+                                            "change, e.g. open windows) and can feed only sinks, which "
+                                            "upsert them on its keys"))
+            continue
+        others = [x for x in inputs.get(b, []) if x != a]
+        if roles.get(b) == "sink" and others:
+            out.append((("edges", i, "to"), f"sink {b!r} upserts the rows of {a!r} (output 'update') and "
+                                            f"cannot take other inputs too (also fed by {', '.join(others)})"))
+        pk = e.get("partitionKey")
+        if isinstance(pk, str) and keys[a] and pk not in keys[a]:
+            out.append((("edges", i, "partitionKey"), f"{pk!r} is not one of the keys of {a!r} "
+                                                      f"({', '.join(keys[a])}): every version of a key must "
+                                                      "go to one partition"))
     return out
 
 

@@ -109,6 +109,23 @@ def check_name(value: str) -> str:
 Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v)]
 
 
+def check_path(value: str) -> str:
+    """A sink table or landing folder: relative ones live under the data dir, so no ``..``
+    segment may leave it; no leading ``-`` (never read as an option) and no control characters."""
+    if not value.strip():
+        raise ValueError("must not be empty")
+    if value.startswith("-"):
+        raise ValueError(f"{value!r} must not start with '-'")
+    if any(not c.isprintable() for c in value):
+        raise ValueError(f"{value!r} holds control characters")
+    if ".." in re.split(r"[/\\]", value):
+        raise ValueError(f"{value!r} must not contain '..' (relative paths stay under the data dir)")
+    return value
+
+
+SafePath = Annotated[str, BeforeValidator(lambda v: check_path(v) if isinstance(v, str) else v)]
+
+
 def _one_of_message(what: str, allowed: tuple[str, ...], found: list[str]) -> str:
     need = f"{what} needs exactly one of: {', '.join(allowed)}"
     if not found:
@@ -275,7 +292,7 @@ class JetStreamSource(_Model):
 class FilesSource(_Model):
     """A landing folder of JSON-lines files."""
 
-    path: str
+    path: SafePath
     pattern: str = "*.jsonl"
 
 
@@ -294,7 +311,7 @@ class Source(_Model):
 
 
 class DeltaSink(_Model):
-    path: str
+    path: SafePath
     partitionBy: list[str] = Field(default_factory=list)
 
 
@@ -309,17 +326,54 @@ class Reference(_Model):
     key: str
 
 
+class OutputMode(StrEnum):
+    """How a step emits rows: ``append`` (each row once) or ``update`` (a streaming
+    aggregation's current value of every key a micro-batch changed, again on each change)."""
+
+    APPEND = "append"
+    UPDATE = "update"
+
+
+_COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 class Udf(_Model):
-    """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame)."""
+    """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame).
+
+    ``output: update`` (with ``keys``, the columns that identify a result row,
+    e.g. ``[window_start, service]``) is for a streaming aggregation: every
+    micro-batch emits the current value of each key it changed, so windows still
+    open are visible too, and the sink downstream upserts on ``keys``.
+    """
 
     transform: str
     references: list[Reference] = Field(default_factory=list)
+    output: OutputMode = OutputMode.APPEND
+    keys: list[str] = Field(default_factory=list, validate_default=True)
 
     @field_validator("transform")
     @classmethod
     def _entry(cls, v: str) -> str:
         if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
             raise ValueError(f"{v!r} must be 'package.module:function'")
+        return v
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        output = info.data.get("output")
+        if output == OutputMode.UPDATE and not v:
+            raise ValueError("required when output is 'update': the columns that identify a result row, "
+                             "e.g. [window_start, service]")
+        if v and output == OutputMode.APPEND:
+            raise ValueError("only for output 'update' (the columns a sink upserts on); remove keys or set "
+                             "output: update")
+        bad = [k for k in v if not isinstance(k, str) or not _COLUMN_RE.match(k)]
+        if bad:
+            raise ValueError(f"must be plain column names (letters, digits, '_'), got {bad!r}")
+        twice = sorted({k for k in v if v.count(k) > 1})
+        if twice:
+            raise ValueError(f"column(s) {twice} named twice")
         return v
 
 
@@ -434,12 +488,51 @@ class SinkQuality(_Model):
     retention: QualityRetention = Field(default_factory=QualityRetention)
 
 
+#: Airflow's cron presets; anything else must be a cron expression
+SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+
+
 class Replay(_Model):
+    """A scheduled replay: the Airflow DAG ``replay_<pipeline>_<name>`` runs it on ``schedule``.
+
+    ``fromTime``/``toTime`` bound a ``reprocess`` by event time, written as the
+    time expressions of :mod:`isbflow.spec.times` (``yesterday``, ``today``,
+    ``-6h``, an ISO date...), resolved against each run's data interval; left
+    out, that side is open. A ``recover`` replay takes no range (it replays from
+    the offset ledger's low offsets).
+    """
+
     name: Name
     mode: Literal["recover", "reprocess"] = "reprocess"
     schedule: str
     fromTime: str | None = None
     toTime: str | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, v: str) -> str:
+        if v.strip() in SCHEDULE_PRESETS:
+            return v.strip()
+        from croniter import croniter  # Airflow's own cron parser
+
+        if v.startswith("@") or not croniter.is_valid(v):
+            raise ValueError(f"{v!r} is not a cron expression (e.g. '0 2 * * *') or one of "
+                             f"{', '.join(SCHEDULE_PRESETS)}")
+        return v
+
+    @field_validator("fromTime", "toTime")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        from isbflow.spec.times import check_time_expression
+
+        return None if v is None else check_time_expression(v)
+
+    @model_validator(mode="after")
+    def _range_fits_mode(self) -> Replay:
+        if self.mode == "recover" and (self.fromTime or self.toTime):
+            raise ValueError("a recover replay takes no fromTime/toTime: it replays from the offset "
+                             "ledger's low offsets (use mode: reprocess for a time range)")
+        return self
 
 
 class PipelineSpec(_Model):
@@ -450,6 +543,15 @@ class PipelineSpec(_Model):
     quality: list[SinkQuality] = Field(default_factory=list)
     replays: list[Replay] = Field(default_factory=list)
     autoRecover: bool = False
+
+    @field_validator("replays")
+    @classmethod
+    def _unique_replays(cls, v: list[Replay]) -> list[Replay]:
+        names = [r.name for r in v]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"replay name(s) {', '.join(twice)} used more than once (each names a DAG)")
+        return v
 
 
 class Pipeline(_Model):

@@ -239,8 +239,13 @@ def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path
 def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str = "continuous",
                    master: str = "local[2]", pipeline: str | None = None,
                    steps: Sequence[str] | None = None, json_out: bool = False) -> list[str]:
-    """``isbflow pipeline run`` (or ``step run`` for one step) as a client-mode driver on this host."""
+    """``isbflow pipeline run`` (or ``step run`` for one step) as a client-mode driver on this host.
+
+    A list of arguments, run without a shell; ``master`` (a DAG parameter) must not look like
+    an option or hold whitespace, so it cannot be taken for another argument."""
     isbflow = Path(sys.executable).parent / "isbflow"
+    if not master or master.startswith("-") or any(c.isspace() or not c.isprintable() for c in master):
+        raise LaunchError(f"Spark master {master!r} is not a master URL (e.g. local[2], spark://host:7077)")
     if steps and len(steps) > 1:
         raise LaunchError(f"cannot launch steps {', '.join(steps)} together: launch the whole pipeline "
                           "(steps=None) or one step at a time")

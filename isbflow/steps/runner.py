@@ -14,6 +14,12 @@ transforms DataFrames:
   the next batch;
 * **sink**: read the frames and write the Delta table with ``isb-delta``.
 
+A udf with ``output: update`` (a streaming aggregation) runs in Spark's update
+output mode and publishes through :mod:`isbflow.steps.update` (each row stamped
+with its version); rows of one key always go to one edge partition, and the sink
+it feeds upserts on its ``keys`` (``isb-delta`` ``mode=upsert``, latest version
+per key and batch), so every window, open ones included, is in the sink.
+
 A vertex with several output edges runs one query per edge (each with its own
 checkpoint); rows are routed to an edge's partitions by
 ``pmod(xxhash64(partitionKey), partitions)``, computed in the JVM.
@@ -51,6 +57,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,13 +69,29 @@ from isbflow.connector.release import release
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.spec import Specs
-from isbflow.spec.models import Pipeline, Vertex
+from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.steps import state as st
 
 log = logging.getLogger(__name__)
 
 PARTITION_COLUMN = "_isb_partition"
 ERROR_COLUMN = "_isb_error"
+
+
+_CAUSE_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Lost|NotFound|Full)): (.+)$")
+
+
+def error_summary(exc: BaseException) -> str:
+    """One line for a failed query's status: the Python exception that caused it when its text
+    carries a traceback (a data source's error arrives as a Spark exception whose first line
+    is only ``... Traceback (most recent call last):``), else the first line; 500 chars at most."""
+    lines = str(exc).splitlines()
+    causes = [m for line in lines[1:] if (m := _CAUSE_LINE.match(line.strip()))
+              and not m.group(1).startswith(("org.", "java.", "scala.", "py4j."))]
+    if causes:
+        name, message = causes[-1].groups()
+        return f"{name.rpartition('.')[2]}: {message}"[:500]
+    return (lines[0] if lines else repr(exc))[:500]
 
 
 class StepError(Exception):
@@ -192,6 +215,7 @@ class PipelineRunner:
         self.starting_offsets = starting_offsets or {}
         self.sink_mode = sink_mode
         self.merge_keys = merge_keys or {}
+        self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
 
     # ------------------------------------------------------------------ planning
     def sink_path(self, v: Vertex) -> str:
@@ -241,8 +265,32 @@ class PipelineRunner:
             return self.spark.createDataFrame([], schema)
         return self.spark.createDataFrame([], self._input_schema(vertex))
 
+    def update_keys(self, vertex: str) -> list[str] | None:
+        """The ``udf.keys`` of a step with ``udf.output: update``; None for every other vertex."""
+        v = self.p.vertex(vertex)
+        return list(v.udf.keys) if v.udf and v.udf.output == OutputMode.UPDATE else None
+
+    def upsert_keys(self, sink: str) -> list[str] | None:
+        """The keys a sink upserts on: those of the update step feeding it (None: not such a sink)."""
+        for e in self.p.inputs(sink):
+            keys = self.update_keys(e.from_)
+            if keys:
+                return keys
+        return None
+
+    def _wire_schema(self, vertex: str):
+        """What a vertex's frames carry: its output, plus the row version for an update step."""
+        from pyspark.sql.types import LongType, StructField, StructType
+
+        from isbflow.steps.update import VERSION_COLUMN
+
+        schema = self.output_schema(vertex)
+        if self.update_keys(vertex):
+            schema = StructType([*schema.fields, StructField(VERSION_COLUMN, LongType())])
+        return schema
+
     def _input_schema(self, vertex: str):
-        schemas = {e.from_: self.output_schema(e.from_) for e in self.p.inputs(vertex)}
+        schemas = {e.from_: self._wire_schema(e.from_) for e in self.p.inputs(vertex)}
         first = next(iter(schemas.values()))
         for up, s in schemas.items():
             if s != first:
@@ -315,34 +363,44 @@ class PipelineRunner:
         self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
         df = self._apply(vertex, self._read(vertex))
         inputs = self.input_streams(vertex)
+        keys = self.update_keys(vertex)
+        if keys:
+            missing = [k for k in keys if k not in df.columns]
+            if missing:
+                raise StepError(f"step {vertex!r}: udf.keys {missing} are not columns of what "
+                                f"{v.udf.transform} returns ({', '.join(df.columns)})")
         targets: list[tuple[str | None, Any]] = []
         if v.sink:
-            w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
-                 .option("appId", self.sink_app_id(vertex))
-                 .option("pipeline", self.p.name).option("sink", vertex)
-                 .option("settings", self.settings_json).option("mode", self.sink_mode))
-            if vertex in self.merge_keys:
-                w = w.option("mergeKey", ",".join(self.merge_keys[vertex]))
-            if v.sink.delta.partitionBy:
-                w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
-            targets.append((None, w))
+            targets.append((None, self._sink_writer(v, df)))
         for e in self.p.outputs(vertex):
             to = self.p.vertex(e.to)
             n = to.partitions
-            part = (F.pmod(F.xxhash64(F.col(e.partitionKey)), F.lit(n)) if e.partitionKey and n > 1
-                    else F.lit(0)).cast("int")
-            out = df.withColumn(PARTITION_COLUMN, part)
+            if e.partitionKey and n > 1:
+                part = F.pmod(F.xxhash64(F.col(e.partitionKey)), F.lit(n))
+            elif keys and n > 1:  # every version of a key to one partition, so the sink sees them in order
+                part = F.pmod(F.xxhash64(*[F.col(k) for k in keys]), F.lit(n))
+            else:
+                part = F.lit(0)
+            out = df.withColumn(PARTITION_COLUMN, part.cast("int"))
             limits = to.effective_limits(self.p.spec.limits)
             stats = str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{e.to}")
-            w = (out.writeStream.format("jetstream").option("settings", self.settings_json)
-                 .option("pipeline", self.p.name).option("step", vertex).option("to", e.to)
-                 .option("partitions", str(n)).option("maxPayload", str(self.max_payload))
-                 .option("bufferMaxLength", str(limits.bufferMaxLength))
-                 .option("bufferUsageLimit", str(limits.bufferUsageLimit))
-                 .option("onFull", v.onFull.value).option("statsDir", stats))
+            opts = {"settings": self.settings_json, "pipeline": self.p.name, "step": vertex, "to": e.to,
+                    "partitions": str(n), "maxPayload": str(self.max_payload),
+                    "bufferMaxLength": str(limits.bufferMaxLength),
+                    "bufferUsageLimit": str(limits.bufferUsageLimit), "onFull": v.onFull.value,
+                    "statsDir": stats}
+            if keys:
+                from isbflow.steps.update import UpdatePublisher
+
+                epoch = checkpoint_epoch(self.data_dir, self.p.name)
+                w = out.writeStream.foreachBatch(UpdatePublisher(opts, epoch))
+            else:
+                w = out.writeStream.format("jetstream").options(**opts)
             targets.append((e.to, w))
         for to, w in targets:
-            w = w.outputMode("append").option("checkpointLocation", self.checkpoint(vertex, to))
+            # update: each micro-batch emits the current value of every key it changed (module doc)
+            w = w.outputMode("update" if keys else "append")
+            w = w.option("checkpointLocation", self.checkpoint(vertex, to))
             w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
             w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.processing_time)
             q = w.start()
@@ -352,6 +410,30 @@ class PipelineRunner:
                                    pid=os.getpid())
         self.runs[vertex] = run
         return run
+
+    def _sink_writer(self, v: Vertex, df):
+        """The ``isb-delta`` writer of sink ``v``: append (or the runner's ``sink_mode``); a sink fed
+        by an update step upserts on its keys, keeping the latest version of a key per batch
+        (``merge`` during recovery: insert the latest version of keys the table lacks)."""
+        from isbflow.steps.update import VERSION_COLUMN
+
+        assert v.sink is not None
+        mode, keys = self.sink_mode, self.merge_keys.get(v.name)
+        upsert = self.upsert_keys(v.name)
+        w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
+             .option("appId", self.sink_app_id(v.name))
+             .option("pipeline", self.p.name).option("sink", v.name)
+             .option("settings", self.settings_json))
+        if upsert:
+            mode = "merge" if self.sink_mode == "merge" else "upsert"
+            keys = keys or upsert
+            w = w.option("versionColumn", VERSION_COLUMN)
+        w = w.option("mode", mode)
+        if keys:
+            w = w.option("mergeKey", ",".join(keys))
+        if v.sink.delta.partitionBy:
+            w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
+        return w
 
     # ------------------------------------------------------------------ bookkeeping
     def _committed(self, rq: RunningQuery) -> dict[str, int] | None:
@@ -429,6 +511,8 @@ class PipelineRunner:
     def _heartbeat(self, run: StepRun) -> None:
         assert run.status is not None
         self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
+        if self.metrics is not None:
+            self.metrics.observe(self, run)
         self.nats.run(st.record_rates(self.nats.nc, self.p.name, run.status))  # the UI's rate chart
 
     def _restart_if_transient(self, run: StepRun, rq: RunningQuery, exc: BaseException) -> bool:
@@ -453,9 +537,17 @@ class PipelineRunner:
             if exc is not None:
                 assert run.status is not None
                 run.status.state = st.Observed.FAILED
-                run.status.error = str(exc).splitlines()[0][:500]
+                run.status.error = error_summary(exc)
                 self._heartbeat(run)
                 self.stop_all()
+                # the other steps of this runner stop with it: say so, or their last heartbeats
+                # ("running") would claim they still run (recovery then waits to drain them)
+                for other in self.runs.values():
+                    if other is not run and other.status is not None and other.status.state in (
+                            st.Observed.STARTING, st.Observed.RUNNING, st.Observed.DRAINING):
+                        other.status.state = st.Observed.STOPPED
+                        other.status.error = f"stopped with step {run.vertex!r}, which failed"
+                        self._heartbeat(other)
                 raise StepError(f"step {run.vertex!r} failed: {run.status.error}")
 
     # ------------------------------------------------------------------ modes

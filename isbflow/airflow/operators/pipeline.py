@@ -17,6 +17,10 @@
   batch-plus-streaming). It is skipped while a continuous launch of the
   pipeline is alive: both would write the same checkpoints.
 
+Drain and batch tasks have the asset alias ``isbflow-sinks`` as outlet and add
+an event per sink table when they succeed (:mod:`isbflow.airflow.assets`), which
+schedules ``pipeline_quality``.
+
 Every operator finds the spec like ``IsbProvisionOperator`` (a file name under
 ``pipelines_dir``), the ISB service through ``JetStreamHook`` (connection
 ``nats_default``, else the embedded server), and keeps its state (checkpoints,
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from isbflow.airflow.assets import emit_sink_events, sinks_alias
 from isbflow.airflow.hooks.jetstream import JetStreamHook
 from isbflow.airflow.operators.isb import as_bool, report_table
 from isbflow.airflow.pipelines import resolve_pipeline_file
@@ -227,6 +232,7 @@ class PipelineDrainOperator(_PipelineOperator):
 
     def __init__(self, *, drain_timeout: float | str = 300.0, exit_timeout: float = 120.0,
                  **kwargs: Any) -> None:
+        kwargs.setdefault("outlets", [sinks_alias()])  # asset events per sink (isbflow.airflow.assets)
         super().__init__(**kwargs)
         self.drain_timeout = drain_timeout
         self.exit_timeout = exit_timeout
@@ -269,6 +275,7 @@ class PipelineDrainOperator(_PipelineOperator):
             if not exited:
                 self.log.warning("launch %s (pid %s) still runs %.0fs after the drain; see %s",
                                  launch.launch_id, launch.pid, self.exit_timeout, launch.log)
+        emit_sink_events(context, p, t.data_dir, by="drain")
         return {"pipeline": p.name, "final_offsets": offsets,
                 "launch": launch.launch_id if launch else None, "driver_exited": exited}
 
@@ -284,6 +291,7 @@ class PipelineBatchOperator(_RunsDriver):
     ui_color = "#e0d4f0"
 
     def __init__(self, *, run_timeout: float | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("outlets", [sinks_alias()])  # asset events per sink (isbflow.airflow.assets)
         super().__init__(**kwargs)
         self.run_timeout = run_timeout
 
@@ -310,4 +318,5 @@ class PipelineBatchOperator(_RunsDriver):
         for v, s in steps.items():
             self.log.info("step %s: %s", v, s)
         self.log.info("batch run of %s took %ss; driver log %s", p.name, result.get("seconds"), log_path)
+        emit_sink_events(context, p, t.data_dir, by="batch")
         return {"pipeline": p.name, "seconds": result.get("seconds"), "log": log_path, "steps": steps}

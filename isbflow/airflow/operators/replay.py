@@ -1,0 +1,262 @@
+"""``PipelineReplayOperator``: replay a pipeline from its sources, ``recover`` or ``reprocess``.
+
+- ``recover`` runs :func:`isbflow.recovery.recover.recover`: detect lost
+  buffers, drain, recreate the lost region, rewind the sources to the offset
+  ledger's low offsets, replay (sinks merge on ``_isb_id``), verify. It takes
+  no range. With ``dry_run`` it runs :func:`isbflow.recovery.plan.plan_recover`
+  instead: what was lost, what would be drained, recreated and moved aside,
+  and how many records would be replayed from which offset; nothing changes.
+- ``reprocess`` runs ``isbflow.recovery.reprocess.reprocess`` over a range of
+  source offsets (``from_offset``/``to_offset``) *or* of event time
+  (``from_time``/``to_time``), replacing the sinks' earlier output for that
+  range; ``dry_run`` is passed on. The module is imported when needed: an
+  isbflow without it fails the task saying so.
+
+Time bounds are the expressions of :mod:`isbflow.spec.times` (``yesterday``,
+``today``, ``-6h``, ISO dates), resolved against the run's data interval, so a
+scheduled replay (``replays:`` in the spec, ``dags/pipeline_replay_schedules.py``)
+covers the same range however late it runs.
+
+XCom ``return_value``: the report JSON (the plan's for a dry run), plus
+``replay_mode`` and ``replay_range`` (the range as asked, times resolved). A report
+that is not ``ok`` (a sink check failed) fails the task after the XCom is
+written. A replay that changed sinks adds asset events for them
+(:mod:`isbflow.airflow.assets`), which schedules ``pipeline_quality``.
+Spark runs in the task's process (``master``), started only when needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from isbflow.airflow.assets import emit_sink_events, sinks_alias
+from isbflow.airflow.operators.isb import as_bool
+from isbflow.airflow.operators.pipeline import PipelineTarget, _PipelineOperator
+
+MODES = ("recover", "reprocess")
+_EMPTY = ("", "none", "null")
+
+
+@dataclass(frozen=True)
+class ReplayRange:
+    """A reprocess range: by source offsets or by event time (UTC), each side open when None."""
+
+    from_offset: int | str | None = None
+    to_offset: int | str | None = None
+    from_time: datetime | None = None
+    to_time: datetime | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(x is None for x in (self.from_offset, self.to_offset, self.from_time, self.to_time))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from_offset": self.from_offset, "to_offset": self.to_offset,
+                "from_time": self.from_time.isoformat() if self.from_time else None,
+                "to_time": self.to_time.isoformat() if self.to_time else None}
+
+
+def _optional(value: Any) -> Any:
+    """A templated optional value: ``None``, ``""`` and ``"None"`` all mean 'not given'."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _EMPTY):
+        return None
+    return value.strip() if isinstance(value, str) else value
+
+
+def _offset(name: str, value: Any) -> int | str | None:
+    """A source offset: a sequence number (the only source partition), or reprocess's
+    ``<source>:N`` forms passed on as text (reprocess checks them against the sources)."""
+    value = _optional(value)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise AirflowFailException(f"{name}: {value!r} is not a source offset (a sequence number >= 1)")
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        n = int(value)
+        if n < 1:
+            raise AirflowFailException(f"{name}: source offsets start at 1, got {n}")
+        return n
+    if isinstance(value, str) and ":" in value:
+        return value
+    raise AirflowFailException(f"{name}: {value!r} is not a source offset (a sequence number >= 1, or "
+                               "<source>:<sequence>)")
+
+
+def reference_times(context: Any) -> tuple[datetime, datetime]:
+    """(data interval start, end) of the run: what relative time expressions are resolved against."""
+    end = context.get("data_interval_end") or getattr(context.get("dag_run"), "run_after", None) \
+        or datetime.now(UTC)
+    start = context.get("data_interval_start") or end
+    return start, end
+
+
+def parse_range(from_offset: Any, to_offset: Any, from_time: Any, to_time: Any,
+                start: datetime, end: datetime) -> ReplayRange:
+    """Check and resolve a replay range; a wrong one fails the task naming the field."""
+    from isbflow.spec.times import TimeExpressionError, resolve_range
+
+    lo, hi = _offset("from_offset", from_offset), _offset("to_offset", to_offset)
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        raise AirflowFailException(f"from_offset {lo} is after to_offset {hi}")
+    ft, tt = _optional(from_time), _optional(to_time)
+    try:
+        tlo, thi = resolve_range(str(ft) if ft else None, str(tt) if tt else None, end, start)
+    except TimeExpressionError as e:
+        raise AirflowFailException(f"from_time/to_time: {e}") from None
+    if (lo is not None or hi is not None) and (tlo is not None or thi is not None):
+        raise AirflowFailException("give a range by source offsets (from_offset/to_offset) OR by event time "
+                                   "(from_time/to_time), not both")
+    return ReplayRange(lo, hi, tlo, thi)
+
+
+class PipelineReplayOperator(_PipelineOperator):
+    """Replay a pipeline (module docstring); XCom: the report (or the dry run's plan).
+
+    :param mode: ``recover`` or ``reprocess``.
+    :param from_offset: reprocess: the first source offset (sequence) of the range.
+    :param to_offset: reprocess: the last source offset of the range.
+    :param from_time: reprocess: event-time start (a time expression, see :mod:`isbflow.spec.times`).
+    :param to_time: reprocess: event-time end.
+    :param dry_run: show what would be replayed without changing anything.
+    :param master: Spark master of the replay's session (``local[2]``).
+    :param drain_timeout: recover: seconds the drain of still-running steps may take.
+    """
+
+    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "mode", "from_offset", "to_offset",
+                                      "from_time", "to_time", "dry_run", "master")
+    ui_color = "#f0c7d4"
+
+    def __init__(self, *, mode: str = "recover", from_offset: int | str | None = None,
+                 to_offset: int | str | None = None, from_time: str | None = None, to_time: str | None = None,
+                 dry_run: bool | str = False, master: str = "local[2]", drain_timeout: float = 300.0,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("outlets", [sinks_alias()])
+        super().__init__(**kwargs)
+        self.mode = mode
+        self.from_offset = from_offset
+        self.to_offset = to_offset
+        self.from_time = from_time
+        self.to_time = to_time
+        self.dry_run = dry_run
+        self.master = master
+        self.drain_timeout = drain_timeout
+
+    def execute(self, context: Any) -> dict:
+        from isbflow.isb.connect import IsbUnreachable
+
+        mode = str(self.mode).strip().lower()
+        if mode not in MODES:
+            raise AirflowFailException(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        t = self.target()
+        rng = parse_range(self.from_offset, self.to_offset, self.from_time, self.to_time, *reference_times(context))
+        dry = as_bool(self.dry_run)
+        self.log.info("replay of pipeline %s (%s): mode %s, range %s, dry run %s", t.pipeline.name, t.path, mode,
+                      rng.to_json(), dry)
+        sessions: list[Any] = []
+        try:
+            if mode == "recover":
+                result = self._recover(t, rng, dry, self._session_factory(t, sessions))
+            else:
+                result = self._reprocess(t, rng, dry, self._session_factory(t, sessions))
+        except IsbUnreachable as e:
+            raise RuntimeError(str(e)) from None  # retries apply
+        finally:
+            for s in sessions:
+                s.stop()
+        report = json.loads(json.dumps(result.to_json(), default=str))
+        report["replay_mode"] = mode
+        report["replay_range"] = rng.to_json()  # as asked, times resolved against this run
+        summary = describe(result)
+        self.log.info("%s", summary)
+        changed = not dry and report.get("state") != "nothing-lost"
+        if changed:
+            emit_sink_events(context, t.pipeline, t.data_dir, by=f"replay-{mode}")
+        if not report.get("ok", False):
+            context["ti"].xcom_push(key="return_value", value=report)
+            raise AirflowFailException(f"replay of pipeline {t.pipeline.name} ({mode}) did not pass its checks:\n"
+                                       f"{summary}")
+        return report
+
+    def _session_factory(self, t: PipelineTarget, sessions: list[Any]) -> Callable[[], Any]:
+        """A function starting this task's SparkSession on first call (reusing an active one)."""
+        def session() -> Any:
+            from pyspark.sql import SparkSession
+
+            from isbflow.steps.runner import spark_session
+
+            active = SparkSession.getActiveSession()
+            if active is not None:
+                return active
+            s = spark_session(self.master, app_name=f"isbflow-replay-{t.pipeline.name}")
+            s.sparkContext.setLogLevel("WARN")
+            sessions.append(s)
+            return s
+
+        return session
+
+    def _recover(self, t: PipelineTarget, rng: ReplayRange, dry: bool, session: Callable[[], Any]) -> Any:
+        from isbflow.recovery.plan import plan_recover
+        from isbflow.recovery.recover import RecoveryError, recover
+
+        if not rng.empty:
+            raise AirflowFailException(
+                f"mode recover takes no range (got {rng.to_json()}): it replays from the offset ledger's low "
+                "offsets. Use mode reprocess to run a range again.")
+        if dry:
+            return plan_recover(session, t.specs, t.pipeline, t.settings, t.data_dir)
+        try:
+            return recover(session, t.specs, t.pipeline, t.settings, t.data_dir, drain_timeout=self.drain_timeout,
+                           on_phase=lambda ph: self.log.info("recover %s: %s %s (%.1fs)", t.pipeline.name,
+                                                             ph.name, ph.state, ph.seconds))
+        except RecoveryError as e:
+            raise AirflowFailException(str(e)) from None
+
+    def _reprocess(self, t: PipelineTarget, rng: ReplayRange, dry: bool, session: Callable[[], Any]) -> Any:
+        try:
+            from isbflow.recovery.reprocess import ReprocessError, reprocess
+        except ModuleNotFoundError as e:
+            if e.name != "isbflow.recovery.reprocess":
+                raise
+            raise AirflowFailException(
+                "mode reprocess is not available yet: this isbflow has no isbflow.recovery.reprocess; "
+                "use mode recover to refill what buffer loss took") from None
+        try:  # RangeError (a range that cannot be reprocessed) is a ReprocessError
+            return reprocess(session, t.specs, t.pipeline, t.settings, t.data_dir, from_offset=rng.from_offset,
+                             to_offset=rng.to_offset, from_time=rng.from_time, to_time=rng.to_time, dry_run=dry,
+                             on_phase=lambda ph: self.log.info("reprocess %s: %s %s (%.1fs)", t.pipeline.name,
+                                                               ph.name, ph.state, ph.seconds))
+        except ReprocessError as e:
+            raise AirflowFailException(str(e)) from None
+
+
+def describe(result: Any) -> str:
+    """The task log's account of a replay: the report's own ``summary()``, else a recovery summary."""
+    from isbflow.recovery.recover import RecoveryReport
+
+    if isinstance(result, RecoveryReport):
+        return recovery_summary(result)
+    if callable(getattr(result, "summary", None)):
+        return str(result.summary())
+    return json.dumps(result.to_json(), default=str, indent=1)[:4000]
+
+
+def recovery_summary(report: Any) -> str:
+    """A :class:`~isbflow.recovery.recover.RecoveryReport` in a few lines for the task log."""
+    if report.state == "nothing-lost":
+        return f"pipeline {report.pipeline}: no buffer lost, nothing to recover ({report.seconds:.1f}s)"
+    lines = [f"pipeline {report.pipeline}: {report.state} in {report.seconds:.1f}s"]
+    lines += [f"  lost {b.stream}: {b.reason}" for b in report.lost]
+    lines += [f"  replayed source {part} from sequence {lo['low']}" for part, lo in report.low_offsets.items()]
+    lines += [f"  LOST AT THE SOURCE {part}: sequences {r}" for part, r in report.source_lost.items()]
+    lines.append(f"  {report.replayed_records:,} records replayed through {', '.join(report.region)}")
+    for s in report.sinks:
+        verdict = ("ok" if s.ok else "FAILED") if s.verified else "unverified (no _isb_id)"
+        lines.append(f"  sink {s.sink}: {s.rows:,} rows, {s.inserted:,} inserted, {s.dropped:,} dropped, "
+                     f"{s.duplicates} duplicate ids, {s.missing} missing: {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,257 @@
+"""Prometheus metrics of a running pipeline's steps, served by the step process on 127.0.0.1.
+
+``isbflow pipeline run --metrics-port N`` (or ``step run``; or the environment
+variable ``ISBFLOW_METRICS_PORT``) serves ``/metrics`` on ``127.0.0.1:N``
+(``-1``: a free port; ``0``, the default: off). ``ISBFLOW_METRICS_HOST`` changes
+the bind address (e.g. ``0.0.0.0`` inside a container, so Prometheus on the
+container network can scrape it). While it runs, the endpoint is recorded in
+``<data dir>/metrics/<key>.json`` (``key``: the pipeline, or
+``<pipeline>.<step>``) as a Prometheus ``file_sd`` target list::
+
+    [{"targets": ["127.0.0.1:9108"], "labels": {"isbflow_key": "logs", "pid": "1234"}}]
+
+so Prometheus (``file_sd_configs`` over that folder) discovers every running
+step process; the file is removed when the process stops.
+
+The runner calls :meth:`PipelineMetrics.observe` with every heartbeat (after
+each step's start and end in ``available-now``, every couple of seconds and on
+every state change in ``continuous``). It walks each query's
+``recentProgress`` since the last call, so no micro-batch is missed or counted
+twice however far apart the calls are (Spark keeps the last 100 progress
+reports per query). Series (labels ``pipeline``, ``step`` and as noted):
+
+- ``isbflow_step_records_in_total``: input rows of the step's micro-batches
+  (with several output edges the step runs one query per edge; all read the
+  same input, so one of them is counted);
+- ``isbflow_step_records_out_total`` (``to``: the downstream vertex, or
+  ``delta`` for a sink's table): rows the step published anew to that edge's
+  buffers (from the writer's per-batch stats: duplicates and dead letters
+  excluded), or rows the sink wrote;
+- ``isbflow_step_batch_duration_seconds`` (histogram): wall time of each
+  micro-batch that ran (Spark's ``triggerExecution``); its ``_count`` is the
+  number of batches;
+- ``isbflow_step_last_batch_timestamp_seconds``: when the last batch ended
+  (stall alerts);
+- ``isbflow_step_lag_messages`` (``stream``): messages in an input stream past
+  what the step has committed (frames on internal edges, events on a source);
+- ``isbflow_buffer_usage_ratio`` (``stream``, ``step``: the reader): frames not
+  yet committed by the reading step over the buffer's capacity in frames,
+  ``ceil(bufferMaxLength / frameRows)``: the writer's back-pressure (or
+  ``onFull`` discards) starts at ``isbflow_buffer_usage_limit_ratio``
+  (``bufferUsageLimit``). Internal edges only (a source stream has no
+  ``bufferMaxLength``);
+- ``isbflow_step_dead_letters_total``: records the step sent to the dead-letter buffer;
+- ``isbflow_step_state`` (``state``): 1 for the step's current state, 0 for the others.
+
+Each runner has its own :class:`~prometheus_client.CollectorRegistry` (no
+process-wide state; two runners in one process do not collide).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from isbflow.connector.options import DEFAULT_FRAME_ROWS
+from isbflow.isb import naming
+from isbflow.steps.state import Observed
+
+if TYPE_CHECKING:
+    from isbflow.spec.models import Pipeline
+    from isbflow.steps.runner import PipelineRunner, StepRun
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+SINK_TARGET = "delta"
+BATCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STEP = ["pipeline", "step"]
+
+
+class PipelineMetrics:
+    """The metric families of one pipeline's steps, in their own registry."""
+
+    def __init__(self, pipeline: Pipeline, registry: CollectorRegistry | None = None,
+                 frame_rows: int = DEFAULT_FRAME_ROWS):
+        self.pipeline = pipeline
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.frame_rows = frame_rows
+        r = self.registry
+        self.records_in = Counter("isbflow_step_records_in", "Input rows of the step's micro-batches",
+                                  STEP, registry=r)
+        self.records_out = Counter("isbflow_step_records_out",
+                                   "Rows the step published anew to an edge's buffers (to=vertex) or wrote "
+                                   "to its Delta table (to=delta)", [*STEP, "to"], registry=r)
+        self.batch_duration = Histogram("isbflow_step_batch_duration_seconds",
+                                        "Wall time of each micro-batch that ran (triggerExecution)", STEP,
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.last_batch = Gauge("isbflow_step_last_batch_timestamp_seconds",
+                                "Unix time at which the step's last micro-batch ended", STEP, registry=r)
+        self.lag = Gauge("isbflow_step_lag_messages",
+                         "Messages in an input stream past what the step has committed", [*STEP, "stream"],
+                         registry=r)
+        self.buffer_usage = Gauge("isbflow_buffer_usage_ratio",
+                                  "Frames not yet committed by the reading step over the buffer's capacity "
+                                  "(bufferMaxLength / frameRows)", [*STEP, "stream"], registry=r)
+        self.buffer_limit = Gauge("isbflow_buffer_usage_limit_ratio",
+                                  "bufferUsageLimit: the usage at which writers apply onFull", [*STEP, "stream"],
+                                  registry=r)
+        self.dead_letters = Counter("isbflow_step_dead_letters",
+                                    "Records the step sent to the dead-letter buffer", STEP, registry=r)
+        self.state = Gauge("isbflow_step_state", "1 for the step's current state, 0 for the others",
+                           [*STEP, "state"], registry=r)
+        self._seen: dict[tuple[str, str | None], str] = {}  # (step, to) -> timestamp of the last progress
+        self._dlq: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ observing
+    def observe(self, runner: PipelineRunner, run: StepRun) -> None:
+        """Fold what happened since the last call into the series of ``run``'s step.
+
+        Never raises: a metrics problem is logged and must not stop a pipeline."""
+        try:
+            self._observe(run)
+        except Exception:  # noqa: BLE001 - metrics are best effort
+            log.exception("metrics of step %s", run.vertex)
+
+    def _observe(self, run: StepRun) -> None:
+        step = run.vertex
+        labels = {"pipeline": self.pipeline.name, "step": step}
+        self.records_in.labels(**labels)  # every series exists (at 0) from the first heartbeat on
+        self.dead_letters.labels(**labels)
+        for i, rq in enumerate(run.queries):
+            self.records_out.labels(**labels, to=rq.to or SINK_TARGET)
+            for prog in self._new_progress((step, rq.to), rq.query.recentProgress or []):
+                if "addBatch" not in (prog.get("durationMs") or {}):
+                    continue  # an idle trigger (no batch ran)
+                if i == 0:
+                    self.records_in.labels(**labels).inc(int(prog.get("numInputRows") or 0))
+                    self.batch_duration.labels(**labels).observe(prog["durationMs"].get("triggerExecution", 0) / 1e3)
+                    self.last_batch.labels(**labels).set(_epoch(prog.get("timestamp")))
+                out = self._rows_out(rq, prog)
+                self.records_out.labels(**labels, to=rq.to or SINK_TARGET).inc(out)
+        status = run.status
+        if status is None:
+            return
+        dlq = int(status.dlq_total or 0)
+        if dlq > self._dlq.get(step, 0):
+            self.dead_letters.labels(**labels).inc(dlq - self._dlq.get(step, 0))
+        self._dlq[step] = max(dlq, self._dlq.get(step, 0))
+        for stream, lag in status.lag.items():
+            self.lag.labels(**labels, stream=stream).set(lag)
+        limits = self.pipeline.vertex(step).effective_limits(self.pipeline.spec.limits)
+        for ep in naming.edge_partitions(self.pipeline):
+            if ep.to_vertex != step:
+                continue
+            self.buffer_usage.labels(**labels, stream=ep.stream).set(
+                buffer_usage(status.lag.get(ep.stream, 0), limits.bufferMaxLength, self.frame_rows))
+            self.buffer_limit.labels(**labels, stream=ep.stream).set(limits.bufferUsageLimit or 0.0)
+        for state in Observed:
+            self.state.labels(**labels, state=state.value).set(1.0 if status.state == state else 0.0)
+
+    def _new_progress(self, key: tuple[str, str | None], progress: list[dict]) -> list[dict]:
+        """Progress reports newer than the last one seen for this query (timestamps only grow)."""
+        last = self._seen.get(key, "")
+        new = [p for p in progress if str(p.get("timestamp") or "") > last]
+        if new:
+            self._seen[key] = str(new[-1].get("timestamp"))
+        return new
+
+    @staticmethod
+    def _rows_out(rq: Any, prog: dict) -> int:
+        if rq.stats_dir:  # the jetstream writer's stats of this batch: rows stored anew
+            path = Path(rq.stats_dir) / f"batch-{prog['batchId']}.json"
+            try:
+                return int(json.loads(path.read_text()).get("rows") or 0)
+            except (OSError, ValueError):
+                pass
+        return max(0, int((prog.get("sink") or {}).get("numOutputRows") or 0))
+
+
+def buffer_usage(lag_frames: int, buffer_max_length: int | None, frame_rows: int = DEFAULT_FRAME_ROWS) -> float:
+    """Uncommitted frames over the buffer's capacity in frames (0 when unbounded)."""
+    if not buffer_max_length:
+        return 0.0
+    return lag_frames / max(1, math.ceil(buffer_max_length / frame_rows))
+
+
+def _epoch(ts: str | None) -> float:
+    from datetime import datetime
+
+    if not ts:
+        return 0.0
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def series_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name the registry's families expose (``_total``, ``_bucket``... included)."""
+    names: set[str] = set()
+    for family in registry.collect():
+        if family.type == "counter":
+            names |= {f"{family.name}_total", f"{family.name}_created"}
+        elif family.type == "histogram":
+            names |= {f"{family.name}_{s}" for s in ("bucket", "sum", "count", "created")}
+        else:
+            names.add(family.name)
+    return names
+
+
+# ---------------------------------------------------------------------------------- serving
+
+@dataclass
+class MetricsServer:
+    """The HTTP server of ``/metrics`` and where it is recorded."""
+
+    url: str
+    port: int
+    record: Path | None
+    _httpd: Any
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self.record is not None:
+            self.record.unlink(missing_ok=True)
+
+
+def record_path(data_dir: str | Path, key: str) -> Path:
+    return Path(data_dir).absolute() / "metrics" / f"{key}.json"
+
+
+def read_targets(data_dir: str | Path, key: str) -> list[dict] | None:
+    """The ``file_sd`` record of a running step process (None when none runs)."""
+    try:
+        return json.loads(record_path(data_dir, key).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def serve(runner: PipelineRunner, port: int, data_dir: str | Path | None = None, key: str | None = None,
+          host: str | None = None) -> MetricsServer:
+    """Attach a :class:`PipelineMetrics` to ``runner`` and serve it on ``host:port`` (``host``:
+    ``ISBFLOW_METRICS_HOST``, else 127.0.0.1; ``port`` -1 or 0 here: any free port). With
+    ``data_dir`` the endpoint is recorded as a ``file_sd`` target list in
+    ``<data dir>/metrics/<key>.json`` (``key`` defaults to the pipeline name)."""
+    host = host or os.environ.get("ISBFLOW_METRICS_HOST") or HOST
+    key = key or runner.p.name
+    metrics = PipelineMetrics(runner.p)
+    runner.metrics = metrics
+    httpd, _ = start_http_server(max(0, port), addr=host, registry=metrics.registry)
+    bound = int(httpd.server_port)
+    # a wildcard bind is scraped through this machine's name (the container's, in compose)
+    target = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{bound}"
+    record = None
+    if data_dir is not None:
+        record = record_path(data_dir, key)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps([{"targets": [target], "labels": {"isbflow_key": key, "pid": str(os.getpid())}}]))
+        tmp.replace(record)  # Prometheus never reads a half-written file
+    return MetricsServer(f"http://{target}/metrics", bound, record, httpd)
