@@ -19,8 +19,9 @@ $(VENV)/.synced: pyproject.toml uv.lock
 	$(UV) sync --frozen
 	@touch $@
 
+# RUN_ARGS: e.g. RUN_ARGS="--port 8081 --rate 500" (see .venv/bin/isbflow platform up --help)
 run: venv
-	$(VENV)/bin/isbflow platform up
+	$(VENV)/bin/isbflow platform up $(RUN_ARGS)
 
 test: venv
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

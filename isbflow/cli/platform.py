@@ -1,8 +1,13 @@
-"""``isbflow platform``: the local platform (embedded NATS + Airflow) on 127.0.0.1 (``make run``)."""
+"""``isbflow platform``: the whole local platform on 127.0.0.1 (``make run``).
+
+``up`` starts the embedded nats-server, the demo pipeline (provisioned, reference
+tables put, its steps launched detached), a producer feeding it and Airflow, then
+stays in the foreground; Ctrl-C (or ``down`` from another shell) drains the
+pipeline and stops every process it started. A second ``up`` reuses what runs.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -23,12 +28,13 @@ from isbflow.cli.common import (
     load_or_exit,
     print_json,
 )
-from isbflow.spec import Specs
 
-app = typer.Typer(help="Run the whole platform locally: the ISB service (nats-server) and Airflow, "
-                       "on 127.0.0.1 only.", no_args_is_help=True)
+app = typer.Typer(help="Run the whole platform locally: the ISB service (nats-server), the demo pipeline with a "
+                       "producer, and Airflow, on 127.0.0.1 only.", no_args_is_help=True)
 
-DEMO = platform.repo_root() / "pipelines" / "logs.yaml"
+DEMO = platform.demo_spec()
+#: where the plugin's pages live under the api-server
+PIPELINES_PAGE = "/isbflow/pipelines"
 
 
 @app.command()
@@ -37,53 +43,66 @@ def up(
     nats_port: Annotated[int, typer.Option(help="NATS client port (a free one when taken).")] =
         platform.DEFAULT_NATS_PORT,
     pipeline_file: Annotated[Path | None, typer.Option(
-        "--pipeline-file", help="Spec whose buffers are provisioned once Airflow is up (default: the demo).")] = None,
-    provision_demo: Annotated[bool, typer.Option("--provision/--no-provision",
-                                                 help="Provision the pipeline's buffers at start.")] = True,
+        "--pipeline-file", help="The pipeline to run (default: the demo, pipelines/logs.yaml).")] = None,
+    run_pipeline: Annotated[bool, typer.Option(
+        "--pipeline/--no-pipeline", help="Provision and start the pipeline and its producer.")] = True,
+    rate: Annotated[float, typer.Option(
+        min=0, help="Events per second the producer publishes to the pipeline's source (0: no producer).")] =
+        platform.DEFAULT_RATE,
+    master: Annotated[str, typer.Option(help="Spark master of the pipeline's driver.")] = "local[2]",
     data_dir: DataDir = None,
 ) -> None:
-    """Start nats-server and Airflow (api-server, scheduler, dag-processor, triggerer), stay in the foreground.
+    """Start nats-server, the pipeline with a producer, and Airflow; stay in the foreground.
 
-    State lives under DATA_DIR (metadata DB, admin password, buffers) and is reused by
-    the next start. Ctrl-C stops every process started here.
+    State lives under DATA_DIR (metadata DB, admin password, buffers, checkpoints, sinks)
+    and is reused by the next start. Ctrl-C drains the pipeline, then stops every process
+    started here. Run while the platform runs, it reuses it (no second pipeline or producer).
 
     Example: isbflow platform up   (then open http://127.0.0.1:8080)
     """
     dd = data_dir_or_default(data_dir).resolve()
-    spec = pipeline_file or DEMO
-    specs = load_or_exit([spec]) if provision_demo else None
-    server_settings = None
-    if specs is not None and specs.pipelines:
+    spec = (pipeline_file or DEMO).resolve()
+    server_settings, opts = None, None
+    if run_pipeline:
+        specs = load_or_exit([spec])
+        if len(specs.pipelines) != 1:
+            fail(f"{spec}: holds {len(specs.pipelines)} pipelines; the platform runs exactly one", 2)
         server_settings = specs.service_for(next(iter(specs.pipelines.values()))).spec.jetstream.settings
+        opts = platform.PipelineOptions(str(spec), rate=rate, master=master)
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the platform like Ctrl-C does
-    code, state = 0, None
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ('isbflow platform down') stops it like Ctrl-C
+    code, state, owner = 0, None, False
     try:
         with console.status("starting", spinner="dots") as spinner:
-            try:  # start() stops what it started when it fails or is interrupted
-                state = platform.start(dd, api_port=port, nats_port=nats_port, server_settings=server_settings,
-                                       progress=spinner.update)
+            try:  # up() stops what it started when it fails or is interrupted
+                state, report, reused = platform.up(dd, api_port=port, nats_port=nats_port,
+                                                    server_settings=server_settings, pipeline=opts,
+                                                    progress=spinner.update)
             except platform.PlatformError as e:
                 fail(str(e))
+            owner = not reused or not state.supervised()
+            if reused and owner:
+                platform.adopt(state)  # its supervisor is gone: this process stops it on Ctrl-C
+            check = report.check if report else None
+            if report is not None and report.restarts:
+                err_console.print(f"a step failed while the pipeline started; its driver was restarted "
+                                  f"{report.restarts} time(s)", style="yellow")
             password = platform.admin_password(Path(state.airflow_home))
-            provisioned = _provision(dd, specs, spinner.update) if specs is not None else None
-            dag_seen = False
-            if password:
-                spinner.update("waiting for the DAGs to be parsed")
-                dag_seen = platform.wait_for_dag(state, password, "isb_provision")
-        _summary(state, password, spec, provisioned, dag_seen, time.monotonic() - started)
+        _summary(state, password, report, check, reused, time.monotonic() - started)
+        if not owner:
+            console.print(f"Already supervised by pid {state.supervisor_pid} (its terminal's Ctrl-C or "
+                          "'isbflow platform down' stops it).", highlight=False)
+            return
+        console.print("Stop with Ctrl-C (drains the pipeline, then stops every process) or "
+                      "'isbflow platform down' from another shell.")
         code = _supervise(state)
     except KeyboardInterrupt:
         pass
     finally:
-        if state is not None:
+        if state is not None and owner:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not leave processes behind
-            err_console.print("stopping the platform ...")
-            stopped = platform.stop(dd)
-            if stopped is not None:
-                err_console.print(f"stopped {len(stopped.processes)} Airflow process(es)"
-                                  + (" and nats-server" if stopped.nats_started else ""))
+            _stop(dd)
     raise typer.Exit(code)
 
 
@@ -91,66 +110,91 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _provision(dd: Path, specs: Specs, progress) -> str:
-    """Apply the pipelines' buffers on the embedded server; a one-line outcome (errors reported, not raised)."""
-    from isbflow.isb import provision
-    from isbflow.isb.connect import IsbUnreachable
-    from isbflow.spec import SpecError
-
-    lines = []
-    for name in sorted(specs.pipelines):
-        progress(f"provisioning the buffers of pipeline {name}")
-        try:
-            report = asyncio.run(provision.apply(platform.nats_settings(dd), specs, name))
-        except (SpecError, IsbUnreachable, provision.ProvisionError) as e:
-            lines.append(f"pipeline {name}: [yellow]not provisioned[/]: {e}")
-            continue
-        counts: dict[str, int] = {}
-        for r in report.resources:
-            counts[r.action.value] = counts.get(r.action.value, 0) + 1
-        text = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-        lines.append(f"pipeline {name}: {len(report.resources)} streams/buckets ({text})")
-    return "\n               ".join(lines)
+def _stop(dd: Path) -> None:
+    err_console.print("stopping the platform (draining the pipeline first) ...")
+    with err_console.status("stopping", spinner="dots") as spinner:
+        stopped = platform.stop(dd, progress=spinner.update)
+    if stopped is None:
+        return
+    for key, outcome in stopped.drained.items():
+        err_console.print(f"pipeline {key}: {outcome}", markup=False, highlight=False)
+    s = stopped.state
+    err_console.print(f"stopped {len(s.processes)} Airflow process group(s)"
+                      + (", the producer" if s.producer else "")
+                      + (f", {len(stopped.leftovers)} leftover process(es)" if stopped.leftovers else "")
+                      + (" and nats-server" if s.nats_started else ""), highlight=False)
 
 
-def _summary(state: platform.PlatformState, password: str | None, spec: Path, provisioned: str | None,
-             dag_seen: bool, seconds: float) -> None:
+def _summary(state: platform.PlatformState, password: str | None, report: platform.PipelineReport | None,
+             check, reused: bool, seconds: float) -> None:
     st = platform.status(Path(state.data_dir))
     nats = st["nats"] or {}
     nats_url = ",".join(nats.get("urls", [])) or "?"
-    nats_mb = sum(nats.get("pss_mb", []))
     c = console
-    c.print(f"[bold green]isbflow platform is up[/] in {seconds:.0f} s "
-            f"(memory: Airflow {st['airflow_pss_mb']:.0f} MB, NATS {nats_mb:.0f} MB)")
+    head = "isbflow platform already runs" if reused else f"isbflow platform is up in {seconds:.0f} s"
+    c.print(f"[bold green]{head}[/] (memory: Airflow {st['airflow_pss_mb']:.0f} MB, "
+            f"NATS {sum(nats.get('pss_mb', [])):.0f} MB{_driver_memory(report)})")
     c.print(f"  Airflow UI   {state.url}   login: [bold]{platform.ADMIN}[/] / "
             f"[bold]{password or '(see ' + state.airflow_home + '/simple_auth_manager_passwords.json.generated)'}[/]",
             highlight=False)
+    if report is not None:
+        rec = report.launch
+        steps = ", ".join(f"{v} {s}" for v, s in check.steps.items()) if check else "?"
+        c.print(f"  pipeline     {report.pipeline} ({rec.spec}): {steps}", highlight=False)
+        if check is not None and not check.done:
+            c.print(f"               [yellow]not every step runs yet[/]: {check.problem or 'still starting'}",
+                    highlight=False)
+        c.print(f"               driver pid {rec.pid} ({'already running' if rec.reused else 'launched'}), "
+                f"log {rec.log}", highlight=False)
+        c.print(f"               buffers: {report.provisioned}", highlight=False)
+        for name, n in report.references.items():
+            c.print(f"               reference table {name}: {n['written']} written, {n['unchanged']} unchanged "
+                    f"(revision {n['revision']})", highlight=False)
+        if report.producer is not None:
+            what = "already running" if report.producer_reused else f"from event {report.producer_start:,}"
+            rate = state.pipeline.rate if state.pipeline else 0
+            c.print(f"  producer     {rate:g} events/s into the source ({what}), pid {report.producer.pid}, "
+                    f"log {report.producer.log}", highlight=False)
     c.print(f"  NATS         {nats_url}   (user isbflow, password in {state.data_dir}/nats/password)",
             highlight=False)
-    if provisioned:
-        c.print(f"  buffers      {provisioned}", highlight=False)
-    c.print(f"  state        {state.data_dir}  (logs: {state.airflow_home}/logs/platform/)", highlight=False)
-    if not dag_seen:
-        c.print("  [yellow]DAG isb_provision not parsed yet[/]: check the dag-processor log", highlight=False)
-    c.print(f"First: open {state.url}, log in, open DAG [bold]isb_provision[/], click Trigger, "
-            f"pick {spec.name}: the task's XCom holds the provisioning report.", highlight=False)
-    c.print("Stop with Ctrl-C (or 'isbflow platform down' from another shell).")
+    c.print(f"  state        {state.data_dir}  (Airflow logs: {state.airflow_home}/logs/platform/, "
+            f"drivers: {state.data_dir}/logs/)", highlight=False)
+    c.print(f"First: open {state.url}, log in as {platform.ADMIN}, then open [bold]{state.url}{PIPELINES_PAGE}[/] "
+            "(Browse > Pipelines): every step running with its rates. Then trigger DAG [bold]pipeline_quality[/] "
+            "(it also runs by itself after every drain, batch run and replay) and open Browse > Quality for its "
+            "report.",
+            highlight=False)
+
+
+def _driver_memory(report: platform.PipelineReport | None) -> str:
+    if report is None or report.launch.alive() is not True:
+        return ""
+    return f", pipeline driver {platform.group_memory(report.launch.pid) / 2**20:.0f} MB"
 
 
 def _supervise(state: platform.PlatformState) -> int:
-    """Block until interrupted (0) or until a platform process dies (1, naming it)."""
+    """Block until interrupted (0) or until an Airflow process dies (1, naming it); warn once when
+    the producer exits (it ends after its count)."""
+    warned = False
     while True:
         dead = platform.dead_process(state)
         if dead is not None:
             err_console.print(f"airflow {dead.name} (pid {dead.pid}) exited; log {dead.log}", style="red",
                               markup=False)
             return 1
-        time.sleep(1.0)
+        current = platform.read_state(Path(state.data_dir))
+        producer = current.producer if current else None
+        if producer is not None and not producer.alive() and not warned:
+            err_console.print(f"the producer (pid {producer.pid}) has exited; log {producer.log}", style="yellow",
+                              markup=False)
+            warned = True
+        time.sleep(2.0)
 
 
 @app.command()
 def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
-    """Show the platform's processes (PID, alive, resident memory) and Airflow's health.
+    """Show the platform's processes (PID, alive, memory), Airflow's health, the pipeline's steps
+    (state, rates, lag) and the producer.
 
     Exit 1 when it is not running or not healthy.
     """
@@ -161,43 +205,86 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
     elif not st["processes"]:
         console.print(f"no platform recorded under {st['data_dir']}/ (start it with 'isbflow platform up')")
     else:
-        t = Table("process", "pid", "alive", "memory MB (PSS)")
-        for p in st["processes"]:
-            t.add_row(p["name"], str(p["pid"]), "yes" if p["alive"] else "NO", f"{p['pss_mb']:.0f}")
-        for n, mb in zip((st["nats"] or {}).get("nodes", []), (st["nats"] or {}).get("pss_mb", []), strict=False):
-            t.add_row(f"nats-server {n['name']}", str(n["pid"]), "yes", f"{mb:.0f}")
-        console.print(t)
-        h = st["health"] or {}
-        parts = ", ".join(f"{k} {(h.get(k) or {}).get('status', '?')}" for k in platform.HEALTH_PARTS) \
-            if h else "api-server not answering"
-        console.print(f"{st['url']}: {parts}", highlight=False)
+        _print_status(st)
     if not st["running"]:
         raise typer.Exit(1)
 
 
+def _print_status(st: dict) -> None:
+    t = Table("process", "pid", "alive", "memory MB (PSS)")
+    for p in st["processes"]:
+        t.add_row(f"airflow {p['name']}", str(p["pid"]), "yes" if p["alive"] else "NO", f"{p['pss_mb']:.0f}")
+    for n, mb in zip((st["nats"] or {}).get("nodes", []), (st["nats"] or {}).get("pss_mb", []), strict=False):
+        t.add_row(f"nats-server {n['name']}", str(n["pid"]), "yes", f"{mb:.0f}")
+    prod = st.get("producer")
+    if prod:
+        t.add_row(f"producer ({prod['rate']:g}/s)", str(prod["pid"]), "yes" if prod["alive"] else "no (exited)",
+                  f"{platform.group_memory(prod['pid']) / 2**20:.0f}" if prod["alive"] else "")
+    pipe = st.get("pipeline") or {}
+    launch = pipe.get("launch")
+    if launch:
+        t.add_row(f"pipeline {pipe.get('name')} driver", str(launch["pid"]), "yes" if launch["alive"] else "no",
+                  f"{platform.group_memory(launch['pid']) / 2**20:.0f}" if launch["alive"] else "")
+    console.print(t)
+    h = st["health"] or {}
+    parts = ", ".join(f"{k} {(h.get(k) or {}).get('status', '?')}" for k in platform.HEALTH_PARTS) \
+        if h else "api-server not answering"
+    console.print(f"{st['url']}: {parts}" + ("" if st.get("supervised") else " (no supervisor: stop it with "
+                                              "'isbflow platform down')"), highlight=False)
+    if pipe:
+        if pipe.get("error"):
+            console.print(f"pipeline {pipe.get('name', '?')}: {pipe['error']}", style="yellow", markup=False)
+        steps = Table("step", "state", "batch", "in rows/s", "done rows/s", "rows", "lag", "heartbeat",
+                      title=f"pipeline {pipe.get('name')} (source holds {pipe.get('source_messages')} messages)")
+        for v, s in (pipe.get("steps") or {}).items():
+            if s is None:
+                steps.add_row(v, "never reported", "", "", "", "", "", "")
+                continue
+            steps.add_row(v, s["state"], str(s["batch_id"]), f"{s['input_rows_per_s']:,.0f}",
+                          f"{s['processed_rows_per_s']:,.0f}", f"{s['rows_total']:,}", str(s["lag"]),
+                          f"{s['heartbeat_age_s']:.0f}s ago")
+        console.print(steps)
+
+
 @app.command()
-def down(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
-    """Stop the platform started by 'isbflow platform up' (by PID). State on disk is kept."""
+def down(
+    data_dir: DataDir = None,
+    json_out: JsonOut = False,
+    timeout: Annotated[float, typer.Option(help="Seconds the pipeline's drain may take before its driver "
+                                                "is stopped by PID.")] = 180.0,
+) -> None:
+    """Stop the platform started by 'isbflow platform up': drain the pipeline, then stop every process
+    (by PID). State on disk is kept."""
     dd = data_dir_or_default(data_dir).resolve()
     state = platform.read_state(dd)
     if state is None:
         if json_out:
-            print_json({"stopped": []})
+            print_json({"stopped": [], "drained": {}})
         else:
             console.print(f"nothing to stop under {dd}/")
         return
-    sup = state.supervisor_pid
-    if sup != os.getpid() and platform.pid_alive(sup):
-        os.kill(sup, signal.SIGTERM)  # the foreground 'up' stops its own processes
-        deadline = time.monotonic() + 60
+    report = None
+    if state.supervised():
+        sup = state.supervisor_pid
+        if not json_out:
+            console.print(f"asking the platform's 'up' (pid {sup}) to drain and stop ...")
+        os.kill(sup, signal.SIGTERM)  # the foreground 'up' drains and stops its own processes
+        deadline = time.monotonic() + timeout + 120
         while platform.pid_alive(sup) and time.monotonic() < deadline:
             time.sleep(0.3)
     try:
-        platform.stop(dd)  # whatever is left (or all of it, when 'up' was killed)
+        with err_console.status("stopping", spinner="dots") as spinner:
+            report = platform.stop(dd, drain_timeout=timeout, progress=spinner.update)  # whatever is left
     except OSError as e:
         fail(f"could not stop every process: {e}")
     pids = [p.pid for p in state.processes]
+    drained = report.drained if report else {}
     if json_out:
-        print_json({"stopped": pids, "nats_stopped": state.nats_started})
-    else:
-        console.print(f"stopped {len(pids)} Airflow process(es)" + (" and nats-server" if state.nats_started else ""))
+        print_json({"stopped": pids, "producer": state.producer.pid if state.producer else None,
+                    "drained": drained, "leftovers": report.leftovers if report else [],
+                    "nats_stopped": state.nats_started})
+        return
+    for key, outcome in drained.items():
+        console.print(f"pipeline {key}: {outcome}", markup=False, highlight=False)
+    console.print(f"stopped {len(pids)} Airflow process group(s)" + (", the producer" if state.producer else "")
+                  + (" and nats-server" if state.nats_started else ""), highlight=False)
