@@ -24,6 +24,7 @@ run: venv
 	$(VENV)/bin/isbflow platform up $(RUN_ARGS)
 
 test: venv
+	@scripts/ensure-chromium
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: venv
