@@ -459,15 +459,15 @@ class PipelineRunner:
         """After new batches: committed offsets, buffer release, heartbeat fields."""
         status = run.status
         assert status is not None
-        committed: dict[str, int] = {}
         rows = 0
+        per_query = [self._committed(rq) or {} for rq in run.queries]
+        # with several queries per vertex (one per output edge) the step has committed only what
+        # all of them have: a stream one query has not reported yet (no batch since it started
+        # or restarted) is not committed at all, or its release would purge what that query reads
+        committed = {s: min(c[s] for c in per_query) for s in (per_query[0] if per_query else {})
+                     if all(s in c for c in per_query)}
         for rq in run.queries:
             prog = rq.query.lastProgress
-            c = self._committed(rq) or {}
-            # with several queries per vertex (one per output edge) the step has committed
-            # only what all of them have
-            for s, seq in c.items():
-                committed[s] = min(committed.get(s, seq), seq)
             if prog and prog["batchId"] != rq.seen_batch:
                 rq.seen_batch = prog["batchId"]
                 status.batch_id = max(status.batch_id, prog["batchId"])
@@ -639,6 +639,10 @@ class PipelineRunner:
             (self._committed(rq) or {}).get(s, 0) >= seq or seq == 0
             for rq in run.queries for s, seq in run.drain_point.items()
         ) and all(not rq.query.status.get("isDataAvailable") for rq in run.queries)
+        # stop between micro-batches only: a batch still running (e.g. a no-data batch an
+        # aggregation runs to move its watermark) would be cancelled mid-write, and Spark's
+        # handling of a foreachBatch cancelled that way can kill the stream thread
+        done = done and all(not rq.query.status.get("isTriggerActive") for rq in run.queries)
         if not run.drain_point:  # a files source: drain when nothing is left to read
             done = all(not rq.query.status.get("isDataAvailable") and not rq.query.status.get("isTriggerActive")
                        for rq in run.queries)
