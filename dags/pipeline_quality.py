@@ -3,7 +3,8 @@
 Runs by itself after every drain, batch run and replay: it is scheduled on
 the sinks as Airflow Assets (``isbflow://<pipeline>/<sink>``), and those tasks
 emit an asset event per sink they wrote; such a run checks the sinks the
-events name. Triggered by hand, it checks the chosen pipeline's sinks.
+events name. It also runs hourly (a continuously running pipeline emits no
+asset events), and triggered by hand; those runs check the chosen pipeline's sinks.
 
 A sink whose gate is ``onFailure: fail`` and fails its checks fails the task;
 a ``warn`` gate logs WARN with the failures and the task succeeds. The XCom
@@ -13,7 +14,7 @@ Connection: ``nats_default`` (dead letters, for completeness).
 
 from __future__ import annotations
 
-from airflow.sdk import DAG, AssetAny, Param
+from airflow.sdk import DAG, AssetAny, AssetOrTimeSchedule, CronTriggerTimetable, Param
 
 from isbflow.airflow.assets import sink_asset
 from isbflow.airflow.catalog import load_catalog
@@ -26,7 +27,8 @@ SINKS = [sink_asset(e.name, s) for e in load_catalog(PIPELINES).entries for s in
 with DAG(
     dag_id="pipeline_quality",
     description="Run the quality checks of a pipeline's sinks; fail on a 'fail' gate, warn on a 'warn' gate",
-    schedule=AssetAny(*SINKS) if SINKS else None,
+    schedule=(AssetOrTimeSchedule(timetable=CronTriggerTimetable("@hourly", timezone="UTC"), assets=AssetAny(*SINKS))
+              if SINKS else "@hourly"),
     catchup=False,
     max_active_runs=1,
     tags=["isbflow", "quality"],
