@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
@@ -97,7 +98,14 @@ async def _publish_and_count(url: str, stream: str, replicas: int = 1) -> int:
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"], num_replicas=replicas))
         for i in range(3):
-            ack = await js.publish(f"{stream}.x", f"m{i}".encode())
+            for attempt in range(50):  # a new R3 stream answers 503 until its leader is elected
+                try:
+                    ack = await js.publish(f"{stream}.x", f"m{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"})
+                    break
+                except nats.js.errors.NoStreamResponseError:
+                    if attempt == 49:
+                        raise
+                    await asyncio.sleep(0.2)
             assert ack.stream == stream
         return (await js.stream_info(stream)).state.messages
     finally:
