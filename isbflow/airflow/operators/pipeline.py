@@ -269,8 +269,11 @@ class PipelineDrainOperator(_PipelineOperator):
         for v, o in offsets.items():
             self.log.info("step %s drained, final offsets %s", v, o)
         launch = read_launch(t.data_dir, p.name)
-        exited = None
-        if launch is not None and launch.alive():
+        exited = None  # no launch on record, or it ran on another host (cannot tell)
+        alive = launch.alive() if launch is not None else None
+        if alive is False:
+            exited = True  # the driver exited as its last step drained (before we looked)
+        elif alive:
             exited = wait_exit(launch, self.exit_timeout)
             if not exited:
                 self.log.warning("launch %s (pid %s) still runs %.0fs after the drain; see %s",
