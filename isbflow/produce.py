@@ -7,7 +7,9 @@ Contract:
   tests and benchmarks recompute expected results without reading anything back.
 - Event ``i`` has event time ``BASE_TIME + i * EVENT_SPACING`` minus a jitter of
   at most ``MAX_JITTER`` (bounded out-of-order, well inside a 2-minute
-  watermark); one service is hot (about 40% of events).
+  watermark); one service is hot (about 40% of events). ``shift_ms`` moves every
+  event time by a fixed amount (:func:`shift_for`: the live demo's events carry
+  the wall-clock time they are produced at, so freshness checks mean something).
 - :func:`produce` publishes events ``start .. start+count-1`` to the source's
   subject with **acknowledged** publishes (core NATS publishes get dropped
   under load, NOTES.md), pipelined in a window of unacknowledged messages.
@@ -130,8 +132,15 @@ def _format_ms(ms: int) -> str:
     return f"{_second_prefix(second)}{rest:03d}Z"
 
 
-def log_event(seed: int, i: int) -> dict[str, Any]:
-    """Event ``i`` of run ``seed``: fields of the demo source's schema (pipelines/logs.yaml)."""
+def shift_for(event_time_from: datetime, start: int) -> int:
+    """The ``shift_ms`` that gives event ``start`` the time ``event_time_from`` (before its jitter)."""
+    t = event_time_from if event_time_from.tzinfo else event_time_from.replace(tzinfo=UTC)
+    return int((t - BASE_TIME) / timedelta(milliseconds=1)) - start * _SPACING_MS
+
+
+def log_event(seed: int, i: int, shift_ms: int = 0) -> dict[str, Any]:
+    """Event ``i`` of run ``seed``: fields of the demo source's schema (pipelines/logs.yaml);
+    its event time moved by ``shift_ms`` milliseconds."""
     u_svc, u_lvl, u_status, u_lat, u_tail, u_host, u_jit, u_meth = _uniforms(seed, i)
     if u_svc < _HOT_SHARE:
         service = HOT_SERVICE
@@ -156,7 +165,7 @@ def log_event(seed: int, i: int) -> dict[str, Any]:
         latency *= 3
     method = _METHODS[int(u_meth * len(_METHODS))]
     return {
-        "ts": _format_ms(_event_ms(i, u_jit)),
+        "ts": _format_ms(_event_ms(i, u_jit) + shift_ms),
         "service": service,
         "level": level,
         "host": f"{service}-{int(u_host * 4)}",
@@ -178,11 +187,11 @@ def malformed_payload(seed: int, i: int) -> bytes:
     return json.dumps(bad, separators=(",", ":")).encode()
 
 
-def payload(seed: int, i: int, malformed_every: int | None = None) -> bytes:
+def payload(seed: int, i: int, malformed_every: int | None = None, shift_ms: int = 0) -> bytes:
     """The message body of event ``i`` as published."""
     if is_malformed(i, malformed_every):
         return malformed_payload(seed, i)
-    e = log_event(seed, i)
+    e = log_event(seed, i, shift_ms)
     # the generator's strings need no escaping: format directly (json.dumps is 2x slower)
     return (f'{{"ts":"{e["ts"]}","service":"{e["service"]}","level":"{e["level"]}",'
             f'"host":"{e["host"]}","latency_ms":{e["latency_ms"]!r},"status":{e["status"]},'
@@ -305,6 +314,7 @@ async def produce(
     malformed_every: int | None = None,
     window: int = DEFAULT_WINDOW,
     progress: Callable[[int], None] | None = None,
+    shift_ms: int = 0,
 ) -> ProduceReport:
     """Publish events ``start .. start+count-1`` of ``seed`` to the source vertex's subject.
 
@@ -312,7 +322,7 @@ async def produce(
     acknowledgement; a message whose acknowledgement does not come within
     ``_ACK_TIMEOUT`` is published again with its same id (stored once).
     ``rate`` caps records per second; ``progress(n)`` is called with the number
-    newly acknowledged. Raises :class:`SourceNotProvisioned` when the source
+    newly acknowledged; ``shift_ms`` moves every event time (:func:`shift_for`). Raises :class:`SourceNotProvisioned` when the source
     stream is missing, :class:`ProduceFailed` when the server refuses messages
     or never acknowledges them.
     """
@@ -360,7 +370,7 @@ async def produce(
                 if bucket is not None and n % step == 0:
                     await bucket.take(step)
                 n += 1
-                await nc.publish(subject, payload(seed, i, malformed_every), reply=f"{inbox}.{i}",
+                await nc.publish(subject, payload(seed, i, malformed_every, shift_ms), reply=f"{inbox}.{i}",
                                  headers={"Nats-Msg-Id": msg_id(seed, i)})
                 acks.in_flight += 1
                 if acks.in_flight >= window:
@@ -374,21 +384,31 @@ async def produce(
 
         t0 = time.perf_counter()
         await send(range(start, start + count))
-        for _attempt in range(3):  # wait for the last acks; resend what never got one
-            last, idle_since = acks.done, time.monotonic()
+        resends, unanswered_since = 0, None
+        while True:  # wait for the last acks; resend what never got one (3 times at most)
+            last, idle_since, all_in = acks.done, time.monotonic(), False
             while acks.done < count and not acks.errors:
                 await asyncio.sleep(0.005)
                 if acks.done != last:
                     last, idle_since = acks.done, time.monotonic()
                 elif time.monotonic() - idle_since > _ACK_TIMEOUT:
                     break
-                elif acks.in_flight <= 0 and acks.unavailable:  # every reply is in: resend the 503s
-                    await asyncio.sleep(1.0)  # (a leader election takes a moment)
+                elif acks.in_flight <= 0 and acks.unavailable:  # every reply is in, some were 503s
+                    all_in = True
                     break
             if acks.errors:
                 raise refused()
             if acks.done == count:
                 break
+            if all_in:  # no stream answered: in a cluster, while the stream elects a leader
+                unanswered_since = unanswered_since or time.monotonic()
+                if time.monotonic() - unanswered_since > _ACK_TIMEOUT:
+                    break
+                await asyncio.sleep(1.0)
+            else:
+                resends += 1
+                if resends > 3:
+                    break
             acks.in_flight = acks.unavailable = 0
             await send(iter(acks.missing()))
         if acks.done < count:

@@ -166,3 +166,42 @@ def test_a_full_stream_refusing_messages_fails_with_the_reason(nats_server, pipe
     asyncio.run(full_stream())
     with pytest.raises(P.ProduceFailed, match=r"refused messages for logs.events .*maximum messages"):
         asyncio.run(P.produce(nats_server.settings, pipeline, count=100, window=5))
+
+
+def test_event_times_shifted_to_a_chosen_start_keep_their_spacing():
+    from datetime import UTC, timedelta
+
+    t = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
+    shift = P.shift_for(t, start=5000)
+    for i in (5000, 5001, 9000):
+        base = datetime.fromisoformat(P.log_event(3, i)["ts"])
+        moved = datetime.fromisoformat(P.log_event(3, i, shift)["ts"])
+        assert moved - base == timedelta(milliseconds=shift)  # same jitter, same spacing
+        assert t + timedelta(milliseconds=10 * (i - 5000)) - P.MAX_JITTER <= moved \
+            <= t + timedelta(milliseconds=10 * (i - 5000))
+    assert {k: v for k, v in P.log_event(3, 7, shift).items() if k != "ts"} == \
+        {k: v for k, v in P.log_event(3, 7).items() if k != "ts"}
+
+
+def test_cli_produce_event_time_from_now(nats_server, pipeline):
+    """The live demo's producer: events stamped from the moment it starts."""
+    from datetime import UTC, timedelta
+
+    from typer.testing import CliRunner
+
+    from isbflow.cli import app
+
+    stream = asyncio.run(_create_source_stream(nats_server.settings, pipeline))
+    before = datetime.now(UTC)
+    result = CliRunner().invoke(app, ["produce", "-f", str(ROOT / "pipelines" / "logs.yaml"), "--data-dir",
+                                      str(nats_server.data_dir), "--count", "20", "--seed", "41", "--start", "777",
+                                      "--event-time-from", "now", "--json"])
+    assert result.exit_code == 0, result.output
+    stamped = [datetime.fromisoformat(body["ts"]) for mid, body in asyncio.run(_stored(nats_server.settings, stream))
+               if mid.startswith("41-")]
+    assert len(stamped) == 20
+    assert all(before - P.MAX_JITTER - timedelta(seconds=1) <= t <= datetime.now(UTC) + timedelta(seconds=1)
+               for t in stamped), stamped
+    bad = CliRunner().invoke(app, ["produce", "-f", str(ROOT / "pipelines" / "logs.yaml"), "--data-dir",
+                                   str(nats_server.data_dir), "--count", "1", "--event-time-from", "noon"])
+    assert bad.exit_code == 2 and "--event-time-from 'noon'" in bad.output

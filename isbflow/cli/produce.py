@@ -42,6 +42,11 @@ def produce(
     vertex: Annotated[str | None, typer.Option(
         "--vertex", help="The JetStream source vertex (default: the pipeline's only one).")] = None,
     window: Annotated[int, typer.Option(min=1, help="Publishes kept unacknowledged at once.")] = 20_000,
+    event_time_from: Annotated[str | None, typer.Option(
+        "--event-time-from",
+        help="Event time of the first event ('now' or an ISO time, UTC unless it says); later events "
+             "follow 10 ms apart (at --rate 100 event time keeps pace with the clock). Default: "
+             "2025-01-01T00:00:00Z + 10 ms x --start (the same run always gives the same events).")] = None,
     pipeline: PipelineName = None,
     nats_url: NatsUrl = None,
     data_dir: DataDir = None,
@@ -60,6 +65,8 @@ def produce(
       isbflow produce -f pipelines/logs.yaml --count 1000 --rate 100 --start 200000
 
       isbflow produce -f pipelines/logs.yaml --count 10000 --malformed-every 100 --json
+
+      isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
     from isbflow import produce as P
     from isbflow.isb.provision import select_pipeline
@@ -72,11 +79,22 @@ def produce(
     except (SpecError, ValueError) as e:
         fail(str(e), 2)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    shift_ms = 0
+    if event_time_from is not None:
+        from datetime import UTC, datetime
+
+        try:
+            t = datetime.now(UTC) if event_time_from == "now" else datetime.fromisoformat(event_time_from)
+        except ValueError:
+            fail(f"--event-time-from {event_time_from!r}: not 'now' nor an ISO time such as "
+                 "2026-11-22T10:00:00Z", 2)
+        shift_ms = P.shift_for(t, start)
 
     try:
         with _progress_bar(count, show=not json_out and err_console.is_terminal) as advance:
             report = run(P.produce(settings, p, vertex, count=count, rate=rate, seed=seed, start=start,
-                                   malformed_every=malformed_every, window=window, progress=advance))
+                                   malformed_every=malformed_every, window=window, progress=advance,
+                                   shift_ms=shift_ms))
     except (P.SourceNotProvisioned, P.ProduceFailed) as e:
         fail(str(e))
     if json_out:
