@@ -39,3 +39,22 @@ def test_quick_benchmark_writes_all_figures(tmp_path):
     assert len(r["load_average_start"]) == 3 and len(r["load_average_end"]) == 3
     assert {t["key"] for t in r["targets"]} == set(TOP_KEYS)
     assert "met" in proc.stdout or "MISSED" in proc.stdout
+
+
+def test_quick_recovery_benchmark_recovers_and_reports_its_figures(tmp_path):
+    """bench/recovery.py --quick: a buffer lost half-way, recovered; the JSON has both ratios and
+    the sinks came out complete. No timing is asserted."""
+    out = tmp_path / "recovery.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["complete"] is True, r["sink"]
+    assert r["sink"]["rows"] == r["config"]["count"] and r["sink"]["duplicates"] == 0
+    assert 0 < r["loss"]["rows_in_sink"] < r["config"]["count"]
+    assert r["replay"]["records"] > 0 and r["replay"]["low_offset"] >= 1
+    for key in ("replay_over_normal", "recovery_overhead"):
+        assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
+    assert {t["key"] for t in r["targets"]} == {"replay_over_normal", "recovery_overhead"}
+    assert {"detect", "recreate", "rewind", "replay", "verify"} <= set(r["phases"])
+    assert r["machine"]["cores"] and len(r["load_average_end"]) == 3
