@@ -22,13 +22,21 @@ def _run():
     return StepRun("raw", [rq], StepStatus("raw")), rq, writer
 
 
-def test_connect_back_timeouts_restart_the_query_a_bounded_number_of_times():
+def test_connect_back_timeouts_restart_the_query_a_bounded_number_of_times(monkeypatch):
+    from isbflow.steps import runner as runner_mod
+
+    waits: list[float] = []
+    monkeypatch.setattr(runner_mod.time, "sleep", waits.append)
     runner = PipelineRunner.__new__(PipelineRunner)  # no NATS or Spark needed for the policy
     run, rq, writer = _run()
     exc = RuntimeError("[STREAM_FAILED] ... org.apache.spark.SparkException: Python worker failed to connect back.")
     for i in range(MAX_RESTARTS):
         assert runner._restart_if_transient(run, rq, exc)
         assert rq.query == f"query-{i + 1}"
+    # each restart waits longer (the failed attempt's Python process is still loading), capped
+    assert waits == [min(runner_mod.RESTART_BACKOFF_S * n, runner_mod.RESTART_BACKOFF_MAX_S)
+                     for n in range(1, MAX_RESTARTS + 1)]
+    assert waits == sorted(waits) and max(waits) <= runner_mod.RESTART_BACKOFF_MAX_S
     assert not runner._restart_if_transient(run, rq, exc)  # out of restarts: the step fails
     assert writer.starts == MAX_RESTARTS and run.status.restarts == MAX_RESTARTS
 

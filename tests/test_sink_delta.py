@@ -375,3 +375,42 @@ def test_replace_range_replaces_exactly_the_range_in_one_commit(tmp_path):
 @pytest.fixture(scope="module", autouse=True)
 def _register_flaky_sink(spark):
     spark.dataSource.register(FlakyDeltaSink)
+
+
+def _id_rows(seqs: list[int]) -> pa.Table:
+    return pa.table({"_isb_id": pa.array([f"in/0/{s}" for s in seqs]), "v": pa.array(seqs, pa.int64())})
+
+
+def test_merge_mode_appends_what_the_ledger_proves_new_and_merges_the_rest(tmp_path):
+    """mode=merge (a recovery's replay): a batch whose source offsets the table's commits never
+    recorded is committed as written (no merge); one overlapping them is merged on _isb_id; either
+    way nothing is doubled and nothing lost."""
+    path = tmp_path / "raw"
+    normal = DeltaSinkOptions.from_options({"path": str(path), "appId": APP})
+    held = list(range(1, 101)) + list(range(151, 201))  # what the sink held at the loss (holes: 101-150)
+    commit_batch(normal, [write_batch_files(normal, _id_rows(held).to_batches(), 0, 0)], 0)
+
+    replay = DeltaSinkOptions.from_options({"path": str(path), "appId": APP + "#e1", "mode": "merge"})
+
+    def commit(batch_id: int, seqs: list[int]):
+        result = commit_batch(replay, [write_batch_files(replay, _id_rows(seqs).to_batches(), batch_id, 0)],
+                              batch_id)
+        return result, DeltaTable(str(path)).history(1)[0]
+
+    overlapping, h = commit(0, list(range(91, 161)))  # 91-100 and 151-160 held, 101-150 missing
+    assert (overlapping.rows, overlapping.dropped) == (50, 20)
+    assert h.get("isb.mergePath") is None and h["isb.operation"] == "merge_insert_missing"
+    beyond, h = commit(1, list(range(201, 301)))  # nothing of it held: the ledger fast path
+    assert (beyond.rows, beyond.dropped) == (100, 0)
+    assert h["isb.mergePath"] == "ledger-append" and h["isb.operation"] == "merge_insert_missing"
+    assert json.loads(h["isb.offsets"]) == {"in/0": [[201, 300]]}
+    # a row whose id names no source offset: the ledger cannot vouch for it, so the batch merges
+    odd = pa.table({"_isb_id": ["in/0/301", "files/x.json#7"], "v": pa.array([301, 0], pa.int64())})
+    result = commit_batch(replay, [write_batch_files(replay, odd.to_batches(), 2, 0)], 2)
+    assert DeltaTable(str(path)).history(1)[0].get("isb.mergePath") is None and result.rows == 2
+
+    ids = read_sink(str(path)).column("_isb_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 302
+    assert set(ids) == {f"in/0/{s}" for s in range(1, 302)} | {"files/x.json#7"}
+    # and the replay's commits record the app transaction like any other
+    assert DeltaTable(str(path)).transaction_version(APP + "#e1") == 2

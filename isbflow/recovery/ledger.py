@@ -83,6 +83,21 @@ def count(ranges: Ranges) -> int:
     return sum(hi - lo + 1 for lo, hi in ranges)
 
 
+def overlaps(a: Ranges, b: Ranges) -> bool:
+    """Whether two sorted lists of inclusive ranges share a sequence: one sweep, O(len(a) + len(b))
+    (fragmented ranges, as a keyed partition's are, run to hundreds of thousands)."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        (lo, hi), (lo2, hi2) = a[i], b[j]
+        if lo <= hi2 and lo2 <= hi:
+            return True
+        if hi < hi2:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
 def first_gap(ranges: Ranges, start: int = 1) -> int:
     """The first sequence >= ``start`` that ``ranges`` do not cover."""
     nxt = start

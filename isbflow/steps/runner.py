@@ -166,7 +166,13 @@ class RunningQuery:
 #: A query that hits one is started again from its checkpoint (the batch re-runs;
 #: frame ids and the sink's app transaction make that exactly-once), a few times.
 TRANSIENT_FAILURES = ("Python worker failed to connect back",)
-MAX_RESTARTS = 3
+MAX_RESTARTS = 5
+#: seconds to wait before restart n (n x this, at most RESTART_BACKOFF_MAX_S): the Python
+#: process of the failed attempt goes on loading for a while (its own auth timeout), so
+#: restarting at once on a loaded machine piles such processes up and each attempt loads
+#: slower than the last. Short enough that the step's heartbeat never looks stale meanwhile.
+RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_MAX_S = 10.0
 
 
 @dataclass
@@ -524,8 +530,10 @@ class PipelineRunner:
         rq.restarts += 1
         if run.status is not None:
             run.status.restarts += 1
-        log.warning("step %s: query %s failed transiently (%s); restart %d of %d from its checkpoint",
-                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, MAX_RESTARTS)
+        wait = min(RESTART_BACKOFF_S * rq.restarts, RESTART_BACKOFF_MAX_S)
+        log.warning("step %s: query %s failed transiently (%s); restart %d of %d from its checkpoint in %.0fs",
+                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, MAX_RESTARTS, wait)
+        time.sleep(wait)
         rq.query = rq.writer.start()
         return True
 
@@ -560,6 +568,8 @@ class PipelineRunner:
         """Each step in topological order until it has processed what its inputs hold."""
         out = {}
         for vertex in self.steps(only):
+            # a drain point left by an earlier drain would cap this run at that drain's end
+            self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, vertex))
             run = self._start(vertex, available_now=True)
             self._heartbeat(run)
             for rq in run.queries:
