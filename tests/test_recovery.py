@@ -123,6 +123,12 @@ def test_ledger_ranges_and_low_offsets():
     assert ledger.low_offsets(sinks, ["in/0"], dead={"in/0": [[7, 7]]})["in/0"].low == 21
     # a sink that holds nothing lacks everything from the source's first sequence
     assert ledger.low_offsets({"raw": {}}, ["in/0"], first={"in/0": 5})["in/0"].low == 5
+    # overlap of fragmented ranges, in one sweep
+    odd = [[i, i] for i in range(1, 200_001, 2)]  # every odd sequence: 100,000 ranges
+    assert not ledger.overlaps(odd, [[i, i] for i in range(2, 200_001, 2)])
+    assert ledger.overlaps(odd, [[200_000, 200_002], [199_999, 199_999]][1:])
+    assert ledger.overlaps([[5, 9]], [[1, 2], [9, 12]]) and not ledger.overlaps([[5, 8]], [[1, 4], [9, 12]])
+    assert not ledger.overlaps([], [[1, 2]]) and not ledger.overlaps([[1, 2]], [])
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -137,6 +143,19 @@ def test_recover_after_edge_stream_deleted(spark, nats_server, tmp_path):
     lost = naming.EdgePartition(p.name, "enrich", "raw", 0).stream
     asyncio.run(_delete_stream(settings, lost))
     assert [b.stream for b in asyncio.run(_detect(settings, p, data_dir))] == [lost]
+
+    # the dry run names the loss and the replay, and changes nothing
+    from typer.testing import CliRunner
+
+    from isbflow.cli import app
+
+    r = CliRunner().invoke(app, ["replay", "-f", str(ROOT / "pipelines" / "logs.yaml"), "--mode", "recover",
+                                 "--dry-run", "--data-dir", str(data_dir), "--nats-url", nats_server.url, "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert (plan["dry_run"], plan["state"], [b["stream"] for b in plan["lost"]]) == (True, "would-recover", [lost])
+    assert plan["records_to_replay"] == COUNT and lost in plan["streams_to_recreate"]
+    assert [b.stream for b in asyncio.run(_detect(settings, p, data_dir))] == [lost]  # still lost
 
     report = recover(spark, specs, p, settings, data_dir)
 
@@ -225,8 +244,53 @@ def test_replay_command_without_loss_and_with_a_wrong_stream(nats_server):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert (out["state"], out["lost"], out["ok"]) == ("nothing-lost", [], True)
+    # the last recovery shows in the pipeline's status, with its phases
+    r = CliRunner().invoke(app, ["pipeline", "status", "-f", spec, "--data-dir", str(nats_server.data_dir), "--json"])
+    assert r.exit_code == 0, r.output
+    shown = json.loads(r.stdout)["recovery"]
+    assert shown["state"] == "nothing-lost" and [ph["name"] for ph in shown["phases"]] == ["detect"]
+    r = CliRunner().invoke(app, ["pipeline", "status", "-f", spec, "--data-dir", str(nats_server.data_dir)])
+    assert r.exit_code == 0, r.output
+    assert "last recovery: nothing-lost" in r.stdout and "lost: nothing; phases: detect done" in r.stdout
     r = CliRunner().invoke(app, [*base, "--lost", "isb-logs-nope-0"])
     assert r.exit_code == 1
     assert "isb-logs-nope-0 is not a buffer of this pipeline" in r.output
     r = CliRunner().invoke(app, [*base, "--mode", "reprocess"])
     assert r.exit_code == 2
+
+
+def test_status_line_of_a_recovery():
+    from isbflow.recovery.status import recovery_line
+
+    now = 1_000_000.0
+    done = {"state": "recovered", "updated_at": now - 30, "seconds": 41.5, "replayed_records": 1234,
+            "lost": [{"stream": "isb-logs-enrich-raw-0"}],
+            "phases": [{"name": "detect", "state": "done", "seconds": 0.2},
+                       {"name": "replay", "state": "done", "seconds": 30.04}]}
+    assert recovery_line(done, now) == (
+        "last recovery: recovered (last update 30s ago); lost: isb-logs-enrich-raw-0; "
+        "phases: detect done 0.2s, replay done 30.0s; 1234 records replayed in 41.5s")
+    stuck = dict(done, state="running", updated_at=now - 3600)  # another host's: judged by its age
+    assert "its process is gone" in recovery_line(stuck, now)
+    assert "gone" not in recovery_line(dict(stuck, updated_at=now - 60), now)
+    assert "then run 'isbflow replay --mode recover' again" in recovery_line(dict(done, state="failed"), now)
+
+
+def test_a_recovery_killed_midway_does_not_count_as_running():
+    """The watchdog starts no second recovery while one runs, but one whose process died
+    (state left at ``running``) must not block it for ever."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from isbflow.recovery.status import is_running
+
+    here = socket.gethostname()
+    assert is_running({"state": "running", "pid": os.getpid(), "host": here})
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert not is_running({"state": "running", "pid": gone.pid, "host": here, "updated_at": time.time()})
+    assert not is_running({"state": "recovered", "pid": os.getpid(), "host": here})
+    assert not is_running(None)

@@ -447,6 +447,38 @@ def test_last_drain_and_replay_link_to_their_dag_runs(ui, site):
     assert ui.get("/isbflow/api/pipelines?dag_id=pipeline_replay").json()["dag_run"]["run_id"] == replay
 
 
+def test_the_last_recovery_shows_on_the_pipelines_page(ui, site):
+    """What recover keeps in the status bucket: none shown before, then its state and phases."""
+    async def put(value: bytes | None) -> None:
+        nc = await connect(site.settings)
+        try:
+            kv = await nc.jetstream().key_value(naming.status_bucket(PIPELINE))
+            if value is None:
+                await kv.purge("recovery")
+            else:
+                await kv.put("recovery", value)
+        finally:
+            await nc.close()
+
+    asyncio.run(_write_status(site.settings))
+    asyncio.run(put(None))
+    demo = ui.get("/isbflow/api/pipelines").json()["pipelines"][1]
+    assert demo["recovery"] is None and demo["recovery_state"] is None
+    report = {"state": "failed", "updated_at": time.time(), "lost": [{"stream": "isb-demo-parse-raw-0"}],
+              "phases": [{"name": "detect", "state": "done", "seconds": 0.1},
+                         {"name": "replay", "state": "failed", "seconds": 2.0}]}
+    asyncio.run(put(json.dumps(report).encode()))
+    try:
+        demo = ui.get("/isbflow/api/pipelines").json()["pipelines"][1]
+        assert demo["recovery_state"] == "failed"
+        assert demo["recovery"].startswith("last recovery: failed") and "lost: isb-demo-parse-raw-0" in demo["recovery"]
+        html = ui.get("/isbflow/pipelines").text
+        shown = one(html, "data-recovery", "failed", tag="p")
+        assert "replay failed 2.0s" in shown[2] and "bad" in shown[1]["class"]
+    finally:
+        asyncio.run(put(None))
+
+
 def test_quality_page_lists_runs_per_sink_and_serves_reports(ui, site):
     ids = {**_existing_ids(site.data_dir)}
     data = ui.get("/isbflow/api/quality").json()

@@ -167,6 +167,7 @@ def status(
 ) -> None:
     """Each step's state, batch, committed offsets, lag, rates and dead-letter count."""
     from isbflow.isb.connect import connect
+    from isbflow.recovery.status import last_recovery, recovery_line
     from isbflow.steps.state import all_status, get_desired
 
     specs, p = pipeline_or_exit(file, pipeline)
@@ -176,15 +177,16 @@ def status(
     async def go():
         nc = await connect(settings)
         try:
-            return await all_status(nc, p.name, order), {v: await get_desired(nc, p.name, v) for v in order}
+            return (await all_status(nc, p.name, order), {v: await get_desired(nc, p.name, v) for v in order},
+                    await last_recovery(nc, p.name))
         finally:
             await nc.close()
 
-    statuses, desired = run(go())
+    statuses, desired, recovery = run(go())
     if json_out:
         print_json({"pipeline": p.name, "steps": {
             v: {"desired": desired[v].value, **(s.to_json() if s else {"state": "unknown"})}
-            for v, s in statuses.items()}})
+            for v, s in statuses.items()}, "recovery": recovery})
         return
     t = Table("step", "desired", "state", "batch", "lag (msgs)", "in rows/s", "done rows/s", "dlq", "heartbeat")
     for v, s in statuses.items():
@@ -195,6 +197,8 @@ def status(
                   f"{s.input_rows_per_s:,.0f}", f"{s.processed_rows_per_s:,.0f}", str(s.dlq_total),
                   f"{s.age():.0f}s ago")
     console.print(t)
+    if recovery:
+        console.print(recovery_line(recovery), markup=False, highlight=False)
 
 
 def register(root: typer.Typer) -> None:

@@ -10,7 +10,9 @@ summary.
 - ``reprocess``: the range (``--from/--to`` source offsets, both included, or
   ``--from-time/--to-time`` event times, ``[from, to)``), records re-read,
   per sink the rows replaced (one commit each) or the windows recomputed, the
-  checks, time taken. ``--dry-run`` counts without changing anything.
+  checks, time taken.
+
+``--dry-run`` (either mode) shows what would be done and changes nothing.
 
 Exit codes: 0 done and every sink check passed; 1 failed or a check failed;
 2 bad input (spec, options, a range that is malformed or cannot be reprocessed).
@@ -66,7 +68,9 @@ def replay(
     time_column: Annotated[str | None, typer.Option(
         "--time-column", help="reprocess: the source's TIMESTAMP column event time is read from.")] = None,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="reprocess: count what the range covers, change nothing.")] = False,
+        "--dry-run", help="Show what would be done, change nothing. recover: the lost buffers, the steps it "
+        "would drain, the buffers it would recreate, the low offsets and records to replay. reprocess: what "
+        "the range covers.")] = False,
     master: Annotated[str, typer.Option(help="Spark master for the replayed steps.")] = "local[2]",
     pipeline: PipelineName = None,
     nats_url: NatsUrl = None,
@@ -76,6 +80,8 @@ def replay(
     """Replay a pipeline from source offsets.
 
     Examples:
+
+      isbflow replay -f pipelines/logs.yaml --mode recover --dry-run
 
       isbflow replay -f pipelines/logs.yaml --mode recover
 
@@ -91,7 +97,7 @@ def replay(
     from isbflow.spec import SpecError
 
     ranged = [o for o, v in (("--from", from_), ("--to", to), ("--from-time", from_time), ("--to-time", to_time),
-                             ("--time-column", time_column), ("--dry-run", dry_run)) if v]
+                             ("--time-column", time_column)) if v]
     if mode == Mode.RECOVER and ranged:
         fail(f"{', '.join(ranged)}: only with --mode reprocess (recover replays from the offset ledger's low "
              "offsets)", 2)
@@ -111,7 +117,11 @@ def replay(
             console.print(f"  {ph.name:<9} {ph.state:<8} {ph.seconds:7.1f}s", markup=False, highlight=False)
 
     try:
-        if mode == Mode.RECOVER:
+        if mode == Mode.RECOVER and dry_run:
+            from isbflow.recovery.plan import plan_recover
+
+            report = plan_recover(session, specs, p, settings, data_dir_or_default(data_dir), lost=lost)
+        elif mode == Mode.RECOVER:
             report = _recover(session, specs, p, settings, data_dir_or_default(data_dir), lost, show)
         else:
             report = _reprocess(session, specs, p, settings, data_dir_or_default(data_dir), show,
@@ -122,7 +132,7 @@ def replay(
             s.stop()
     if json_out:
         print_json(report.to_json())
-    elif mode == Mode.RECOVER:
+    elif mode == Mode.RECOVER and not dry_run:
         _summary(report)
     else:
         console.print(report.summary(), markup=False, highlight=False)

@@ -55,8 +55,8 @@ class BufferLost(Exception):
         return f"buffer {self.stream} lost sequences {self.range_text}: {self.reason}"
 
     def __str__(self) -> str:
-        return (f"{self.summary}. Recover the pipeline ('isbflow recover'), or set onBufferLoss=replay to continue "
-                "from what the buffer still holds")
+        return (f"{self.summary}. Recover the pipeline ('isbflow replay -f SPEC --mode recover', or the "
+                "pipeline_replay DAG), or set onBufferLoss=replay to continue from what the buffer still holds")
 
 
 class BufferReadError(Exception):

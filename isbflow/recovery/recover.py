@@ -24,8 +24,15 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
    are moved aside (``checkpoints/<pipeline>/_recovered-<stamp>/``), the
    pipeline's checkpoint epoch is bumped (new sink app ids), the sources start
    at their low offsets and every other step at the beginning of its new buffers.
-5. **replay**: the region's steps run available-now; sinks run in ``merge``
-   mode: a row is inserted only when the table lacks its ``_isb_id``.
+5. **replay**: the region's steps run at once, continuously, as in the normal
+   run (each batch flows on while the next is read), and are drained upstream
+   first as soon as they have started: the sources stop at the source stream's
+   end at that moment. Sinks run in ``merge`` mode: a row is inserted only when
+   the table lacks its ``_isb_id`` (a batch of offsets the table's commits never
+   recorded is appended as written: the ledger fast path of
+   :mod:`isbflow.sinks.delta`). ``pipelined=False`` runs the steps one after
+   the other, available-now, instead (measured slower in ``bench/recovery.py``:
+   every step's start-up and its whole range in sequence).
 6. **verify**: per ``_isb_id`` sink, no duplicate id, and every source
    sequence the source still holds is in the sink or in the dead-letter buffer.
 
@@ -58,7 +65,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -132,6 +141,10 @@ class RecoveryReport:
     sinks: list[SinkCheck] = field(default_factory=list)
     seconds: float = 0.0
     state: str = "running"  # running | nothing-lost | recovered | failed
+    started_at: float = field(default_factory=time.time)  # epoch seconds
+    updated_at: float = field(default_factory=time.time)  # set at each publish (status shows its age)
+    pid: int = field(default_factory=os.getpid)  # the process recovering (is it still alive?)
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def ok(self) -> bool:
@@ -397,13 +410,15 @@ class _Phases:
 
 def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path, *,
             lost: list[str] | None = None, drain_timeout: float = 300.0,
-            on_phase: Callable[[Phase], None] | None = None) -> RecoveryReport:
+            on_phase: Callable[[Phase], None] | None = None, pipelined: bool = True,
+            replay_timeout: float | None = None) -> RecoveryReport:
     """Recover ``pipeline`` after buffer loss (module docstring); returns the report.
 
     ``spark`` is a SparkSession or a function making one, called only when
     something was lost. ``lost`` names lost streams explicitly (skips detection). Raises
     :class:`RecoveryError` when a phase cannot proceed (the report so far is in
-    the status bucket).
+    the status bucket). ``pipelined``: the replay's steps run at once (module docstring);
+    ``replay_timeout``: seconds the pipelined replay may take (default: no limit).
     """
     import asyncio
 
@@ -422,6 +437,7 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
 
     def publish() -> None:
         report.seconds = round(time.monotonic() - t0, 3)
+        report.updated_at = time.time()
         try:
             kv = run(nc.jetstream().key_value(naming.status_bucket(p.name)))
             run(kv.put("recovery", json.dumps(report.to_json(), default=str).encode()))
@@ -562,7 +578,10 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         runner = PipelineRunner(spark, specs, p, settings, data_dir, starting_offsets=starting,
                                 sink_mode="merge", merge_keys=other_sinks)
         try:
-            out = runner.run_available_now(only=order)
+            if pipelined:
+                out = _replay_pipelined(runner, nc, p, order, run, replay_timeout)
+            else:
+                out = runner.run_available_now(only=order)
             recomputed, recompute_failed = _recompute_aggregates(spark, runner, sink_vertices, data_dir)
         except StepError as e:
             lost_now = run(detect_loss(nc, p, data_dir))
@@ -620,6 +639,50 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         if nc is not None:
             run(nc.close())
         loop.close()
+
+
+def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, timeout: float | None) -> dict:
+    """The region's steps continuously in a thread of this process, drained (upstream first) as
+    soon as every query has started; returns each step's status. A step failing raises its
+    :class:`~isbflow.steps.runner.StepError` here, as the available-now run would."""
+    import threading
+
+    from isbflow.steps import state as st
+
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            result["out"] = runner.run_continuous(only=order, poll=0.2)
+        except BaseException as e:  # noqa: BLE001 - raised again below, in the caller's thread
+            result["error"] = e
+
+    def started() -> bool:
+        return all(v in runner.runs for v in order) and all(
+            rq.query is not None for v in order for rq in runner.runs[v].queries)
+
+    thread = threading.Thread(target=go, name=f"isbflow-replay-{p.name}", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive() and not started():
+            time.sleep(0.1)
+        if thread.is_alive():
+            # the runner has set every step's desired state to running before starting them;
+            # only now may the drain set it to draining (the sources stop at the streams' ends now)
+            run(drain_steps(nc, p, order, timeout=timeout or 365 * 86400.0, poll=0.2))
+        thread.join()
+    except BaseException:
+        runner.stop_all()
+        thread.join(60)
+        raise
+    if "error" in result:
+        raise result["error"]
+    out = result.get("out") or {}
+    failed = [v for v, s in out.items() if s.state != st.Observed.DRAINED]
+    if failed:
+        raise RecoveryError(f"recover {p.name}: the replay's step(s) {', '.join(failed)} ended "
+                            f"{', '.join(str(out[v].state) for v in failed)} instead of drained")
+    return out
 
 
 def _recompute_aggregates(spark, runner, sinks: list[str], data_dir: Path) -> tuple[dict[str, int], dict[str, str]]:

@@ -24,10 +24,11 @@ lag samples. Samples older than ``HISTORY_MAX_GAP_S`` are dropped, so a
 watchdog paused for an hour does not compare against stale numbers.
 
 While a recovery runs (status key ``recovery`` with state ``running``,
-published by recover after each phase), the report says so in
-``recovery_running``: the caller should not start a second one. (A recover
-process killed mid-way leaves that key at ``running``; the next recover run
-overwrites it.)
+published by recover after each phase, and its process alive:
+:func:`isbflow.recovery.status.is_running`), the report says so in
+``recovery_running``: the caller should not start a second one. A recover
+process killed midway leaves that key at ``running``; it does not count, so the
+watchdog can start the recovery again.
 
 This module does not import Airflow.
 """
@@ -43,6 +44,7 @@ from typing import Any
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.recovery.status import is_running
 from isbflow.spec.models import Pipeline
 from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE, LaunchRecord
 from isbflow.steps.state import Observed, StepStatus
@@ -212,7 +214,7 @@ async def watch(settings: NatsSettings, p: Pipeline, data_dir: str | Path, *,
                        heartbeat_timeout=heartbeat_timeout, startup_grace=startup_grace,
                        lag_growth_runs=lag_growth_runs)
         recovery = await _get_json(kv, RECOVERY_KEY)
-        report.recovery_running = bool(recovery and recovery.get("state") == "running")
+        report.recovery_running = is_running(recovery, now)
         await kv.put(WATCHDOG_KEY, json.dumps({"at": now, "lag": history, "state": report.state,
                                                "findings": [f.kind for f in report.findings]}).encode())
         return report

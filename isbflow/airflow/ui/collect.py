@@ -134,6 +134,11 @@ async def read_status(nc: Any, view: PipelineView, p: Pipeline, stale_after: flo
     view.edges = edge_views(p, statuses)
     dlq = await stream_state(nc, naming.dlq_stream(p.name))
     view.dlq_messages = dlq.messages if dlq is not None else None
+    from isbflow.recovery.status import last_recovery, recovery_line
+
+    recovery = await last_recovery(nc, p.name)
+    if recovery:
+        view.recovery, view.recovery_state = recovery_line(recovery, now), recovery.get("state")
 
 
 async def pipeline_views(loaded: list[LoadedSpec], connect: Any, stale_after: float) -> list[PipelineView]:

@@ -76,6 +76,8 @@ class PipelineView(BaseModel):
     dlq_messages: int | None = None
     last_drain: RunLink | None = None
     last_replay: RunLink | None = None
+    recovery: str | None = None  # the last recovery, one line (``isbflow pipeline status`` shows the same)
+    recovery_state: str | None = None  # running | recovered | nothing-lost | failed
 
 
 class PipelinesResponse(BaseModel):
