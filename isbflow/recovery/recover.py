@@ -275,14 +275,15 @@ def running_steps(statuses: dict, now: float | None = None) -> list[str]:
             if s is not None and s.age(now) < RUNNING_HEARTBEAT_S and s.state in (Observed.RUNNING, Observed.DRAINING)]
 
 
-async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5) -> dict[str, str]:
+async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5,
+                      silent_after: float | None = None) -> dict[str, str]:
     """Drain ``steps`` (those that run), upstream first; vertex -> how each ended.
 
     Like :func:`isbflow.steps.drain.drain_pipeline` (a step is told to drain once every
     running step feeding it has ended), but for a pipeline that has just lost a buffer:
     a step that fails, stops, or whose heartbeat stays still for :data:`SILENT_HEARTBEAT_S`
-    (its driver was killed) has ended too (``failed``, ``stopped``, ``gone``) instead of
-    holding the drain up until the timeout. Raises
+    (its driver was killed; ``silent_after`` overrides it) has ended too (``failed``,
+    ``stopped``, ``gone``) instead of holding the drain up until the timeout. Raises
     :class:`RecoveryError` naming the steps still running after ``timeout`` seconds.
     """
     import asyncio
@@ -309,7 +310,7 @@ async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: f
                 seen = beats.get(v)
                 if seen is None or seen[0] != s.updated_at:
                     beats[v] = (s.updated_at, now)
-                elif now - seen[1] > SILENT_HEARTBEAT_S:
+                elif now - seen[1] > (SILENT_HEARTBEAT_S if silent_after is None else silent_after):
                     ended[v] = "gone"
         for v in order:
             if v not in told and v not in ended and all(e.from_ in ended or e.from_ not in steps
@@ -667,9 +668,13 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
         while thread.is_alive() and not started():
             time.sleep(0.1)
         if thread.is_alive():
-            # the runner has set every step's desired state to running before starting them;
-            # only now may the drain set it to draining (the sources stop at the streams' ends now)
-            run(drain_steps(nc, p, order, timeout=timeout or 365 * 86400.0, poll=0.2))
+            # The runner has set every step's desired state to running before starting them;
+            # only now may the drain set it to draining (the sources stop at the streams' ends
+            # now). The steps run in this process: a heartbeat held up by a query restart (its
+            # backoff and start-up can pass SILENT_HEARTBEAT_S on a loaded machine) is no killed
+            # driver, so "gone" waits much longer here.
+            run(drain_steps(nc, p, order, timeout=timeout or 365 * 86400.0, poll=0.2,
+                            silent_after=SILENT_HEARTBEAT_S * 20))
         thread.join()
     except BaseException:
         runner.stop_all()
