@@ -39,6 +39,30 @@ BASE_ROWS = 10_000
 #: The demo parse step's output (pipelines/logs.yaml source schema + _isb_id).
 RECORD_FIELDS = (("ts", "TIMESTAMP"), ("service", "STRING"), ("level", "STRING"), ("host", "STRING"),
                  ("latency_ms", "DOUBLE"), ("status", "INT"), ("msg", "STRING"))
+#: the benchmarks' ISB service: embedded, file storage, unlimited buffers (one YAML document and
+#: its separator, to put before a pipeline's)
+ISB_SERVICE_YAML = """apiVersion: isbflow.io/v1alpha1
+kind: InterStepBufferService
+metadata:
+  name: default
+spec:
+  jetstream:
+    url: embedded
+    replicas: 1
+    persistence: true
+    settings:
+      max_payload: 8MiB
+    bufferConfig:
+      stream:
+        retention: Limits
+        maxMsgs: -1
+        maxBytes: -1
+        maxAge: 72h
+        storage: file
+        replicas: 1
+        duplicates: 2m
+---
+"""
 SOURCE_DDL = ", ".join(f"{n} {t}" for n, t in RECORD_FIELDS)
 RECORD_DDL = SOURCE_DDL + ", _isb_id STRING"
 RECORD_ARROW = pa.schema([

@@ -41,28 +41,7 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 import _common as cm  # noqa: E402
 
 SPEC = f"""
-apiVersion: isbflow.io/v1alpha1
-kind: InterStepBufferService
-metadata:
-  name: default
-spec:
-  jetstream:
-    url: embedded
-    replicas: 1
-    persistence: true
-    settings:
-      max_payload: 8MiB
-    bufferConfig:
-      stream:
-        retention: Limits
-        maxMsgs: -1
-        maxBytes: -1
-        maxAge: 72h
-        storage: file
-        replicas: 1
-        duplicates: 2m
----
-apiVersion: isbflow.io/v1alpha1
+{cm.ISB_SERVICE_YAML}apiVersion: isbflow.io/v1alpha1
 kind: Pipeline
 metadata:
   name: bench

@@ -24,8 +24,8 @@ from isbflow.produce import is_malformed, produce
 from isbflow.recovery import ledger
 from isbflow.recovery.recover import detect_loss, recover
 from isbflow.spec import load_specs
-from isbflow.steps.runner import PipelineRunner
 from tests.conftest import ROOT
+from tests.recovery_helpers import run_available_now
 
 MALFORMED_EVERY = 500
 COUNT = 20_000  # 200 s of event time: the 2-minute watermark closes the first windows
@@ -45,12 +45,7 @@ def publish(settings, p, count, start=0):
     assert r.published == count
 
 
-def run_steps(spark, specs, p, settings, data_dir, only=None):
-    runner = PipelineRunner(spark, specs, p, settings, data_dir)
-    try:
-        return runner.run_available_now(only=only)
-    finally:
-        runner.close()
+run_steps = run_available_now  # every step (or ``only``) available-now, in this process
 
 
 def good_ids(count):
