@@ -285,7 +285,7 @@ def restart_node(data_dir: Path, name: str, timeout: float = 60.0) -> None:
 
 def stream_leader(settings: NatsSettings, stream: str) -> str:
     async def go(nc):
-        info = await nc.jetstream().stream_info(stream)
+        info = await nc.jetstream(timeout=30.0).stream_info(stream)
         return info.cluster.leader
 
     return asyncio.run(_with_nc(settings, go))

@@ -95,7 +95,9 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
 async def _publish_and_count(url: str, stream: str, replicas: int = 1) -> int:
     nc = await connect(settings_from_url(url))
     try:
-        js = nc.jetstream()
+        # creating an R3 stream waits for its raft group: past the client's default 5 s on a loaded
+        # machine (seen in CI); provisioning allows 30 s too (isbflow.isb.provision)
+        js = nc.jetstream(timeout=30.0)
         await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"], num_replicas=replicas))
         for i in range(3):
             for attempt in range(50):  # a new R3 stream answers 503 until its leader is elected
@@ -172,7 +174,7 @@ def test_cluster_of_three(data_dir, tmp_path):
         count = await _publish_and_count(url, "r3", replicas=3)
         nc = await connect(settings_from_url(url))
         try:
-            js = nc.jetstream()
+            js = nc.jetstream(timeout=30.0)
             deadline = time.monotonic() + 30
             while True:
                 info = await js.stream_info("r3")
