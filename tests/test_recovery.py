@@ -265,7 +265,7 @@ def test_status_line_of_a_recovery():
     assert recovery_line(done, now) == (
         "last recovery: recovered (last update 30s ago); lost: isb-logs-enrich-raw-0; "
         "phases: detect done 0.2s, replay done 30.0s; 1234 records replayed in 41.5s")
-    stuck = dict(done, state="running", updated_at=now - 3600)  # another host's: judged by its age
+    stuck = dict(done, state="running", updated_at=now - 7200)  # another host's: judged by its age
     assert "its process is gone" in recovery_line(stuck, now)
     assert "gone" not in recovery_line(dict(stuck, updated_at=now - 60), now)
     assert "then run 'isbflow replay --mode recover' again" in recovery_line(dict(done, state="failed"), now)

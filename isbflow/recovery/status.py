@@ -14,8 +14,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from isbflow.isb import naming
 
-#: a recovery still "running" with no phase for this long was most likely killed midway
-STUCK_AFTER_S = 600.0
+#: a recovery run on another host (its process cannot be checked) that published no phase for
+#: this long counts as killed midway. Generous: a replay phase publishes only when it ends, and
+#: starting a second recovery beside a live one is worse than waiting to start one.
+STUCK_AFTER_S = 3600.0
 
 
 def is_running(r: dict | None, now: float | None = None) -> bool:
