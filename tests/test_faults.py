@@ -223,6 +223,12 @@ def test_d_cluster_node_killed_while_producing_to_r3_buffers(spark, nats_cluster
     assert r.published + r.duplicates == count  # a publish whose ack died with the leader was sent again
     assert h.stream_leader(settings, source) != victim
     h.restart_node(nats_cluster.data_dir, victim)
+    # the node rejoins and catches up before the pipeline reads (what an operator waits for; a
+    # read consumer placed on a replica still catching up delivers nothing until it has: CI saw
+    # the source step's 30 s read timeout pass on a loaded machine)
+    buffers = [source, *(ep.stream for ep in naming.edge_partitions(p))]
+    h.wait_for(lambda: h.replicas_current(settings, buffers), 180,
+               f"every replica of {', '.join(buffers)} to be current after {victim} restarted")
     held = asyncio.run(provision.status(settings, specs))
     assert {s.name: s.messages for s in held if s.name == source} == {source: count}  # each stored once
 

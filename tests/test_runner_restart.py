@@ -46,3 +46,16 @@ def test_other_failures_are_not_retried():
     run, rq, writer = _run()
     assert not runner._restart_if_transient(run, rq, RuntimeError("BufferLost: buffer x lost sequences 1-9"))
     assert writer.starts == 0 and rq.query == "query-0"
+
+
+def test_a_read_stalled_by_a_cluster_failover_restarts_but_a_bad_frame_does_not(monkeypatch):
+    from isbflow.steps import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod.time, "sleep", lambda s: None)
+    runner = PipelineRunner.__new__(PipelineRunner)
+    run, rq, writer = _run()
+    stalled = RuntimeError("[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] ... BufferReadError: buffer src-logs-in: "
+                           "no delivery for 30s while reading sequences 1-2000")
+    assert runner._restart_if_transient(run, rq, stalled) and writer.starts == 1
+    bad = RuntimeError("BufferReadError: buffer isb-x-0: message 7 is not an Arrow frame (...)")
+    assert not runner._restart_if_transient(run, rq, bad) and writer.starts == 1

@@ -161,11 +161,15 @@ class RunningQuery:
     restarts: int = 0
 
 
-#: Failures of Spark's Python-worker plumbing, not of the data: on a loaded small
-#: machine a new Python worker can miss Spark's fixed 10 s connect-back window.
-#: A query that hits one is started again from its checkpoint (the batch re-runs;
-#: frame ids and the sink's app transaction make that exactly-once), a few times.
-TRANSIENT_FAILURES = ("Python worker failed to connect back",)
+#: Failures of the plumbing, not of the data: on a loaded small machine a new Python
+#: worker can miss Spark's fixed 10 s connect-back window; in a NATS cluster a read
+#: consumer placed on a replica still catching up (a node just restarted) delivers
+#: nothing for a while. A query that hits one is started again from its checkpoint
+#: (the batch re-runs; frame ids and the sink's app transaction make that
+#: exactly-once; the new read consumer is placed anew), a few times.
+TRANSIENT_FAILURES = ("Python worker failed to connect back",
+                      # isbflow.connector.fastread: the ISB service slow or failing over
+                      "s while reading sequences", "did not answer STREAM.INFO", "cannot create a read consumer")
 MAX_RESTARTS = 5
 #: seconds to wait before restart n (n x this, at most RESTART_BACKOFF_MAX_S): the Python
 #: process of the failed attempt goes on loading for a while (its own auth timeout), so
