@@ -779,19 +779,10 @@ def merge_insert_missing(
     (partitioned by ``partition_by``). ``metadata`` is added to the commit's
     custom metadata.
     """
-    keys = [key] if isinstance(key, str) else list(key)
-    if not keys or any(not _IDENTIFIER.match(k) or k not in table.column_names for k in keys):
-        raise DeltaSinkError(
-            f"merge into {path}: key {key!r} must be plain column name(s) present in the rows "
-            f"({table.column_names})"
-        )
+    keys = _keys(path, table, key, "merge into")
     key_text = ",".join(keys)
     delta = _open(path)
-    txns = []
-    if app_id is not None and version is not None:
-        current = delta.transaction_version(app_id) if delta else None
-        if current is None or version > current:
-            txns = [Transaction(app_id=app_id, version=version)]
+    txns = _app_transactions(delta, app_id, version)
     props = CommitProperties(
         custom_metadata={**(metadata or {}), "isb.operation": "merge_insert_missing",
                          "isb.key": key_text},
@@ -814,6 +805,16 @@ def merge_insert_missing(
         .execute()
     )
     return MergeResult(DeltaTable(path).version(), int(metrics.get("num_target_rows_inserted", 0)))
+
+
+def _app_transactions(delta: DeltaTable | None, app_id: str | None, version: int | None) -> list[Transaction]:
+    """The app transaction to record with a driver-side commit: none without ``app_id`` and
+    ``version``, nor when the table already records a version at least as high (never lowered:
+    the stream writer's replay check relies on it)."""
+    if app_id is None or version is None:
+        return []
+    current = delta.transaction_version(app_id) if delta else None
+    return [Transaction(app_id=app_id, version=version)] if current is None or version > current else []
 
 
 def _keys(path: str, table: pa.Table, key: str | Iterable[str], what: str) -> list[str]:
@@ -898,11 +899,7 @@ def merge_upsert(
                 f"upsert into {path}: {table.num_rows - distinct} row(s) repeat a key {keys} of an "
                 "earlier row; give the sink a versionColumn so the latest version wins")
     delta = _open(path)
-    txns = []
-    if app_id is not None and version is not None:
-        current = delta.transaction_version(app_id) if delta else None
-        if current is None or version > current:
-            txns = [Transaction(app_id=app_id, version=version)]
+    txns = _app_transactions(delta, app_id, version)
     props = CommitProperties(
         custom_metadata={**(metadata or {}), "isb.operation": operation, "isb.key": ",".join(keys)},
         app_transactions=txns or None,
