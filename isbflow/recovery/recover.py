@@ -394,16 +394,17 @@ def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
 
 
 class _Phases:
-    """Times phases, logs them, and publishes the report in the status bucket."""
+    """Times phases, logs them, and publishes the report in the status bucket (recover's and
+    reprocess's: ``verb`` names which in the log)."""
 
-    def __init__(self, report: RecoveryReport, publish: Callable[[], None],
-                 on_phase: Callable[[Phase], None] | None):
-        self.report, self.publish, self.on_phase = report, publish, on_phase
+    def __init__(self, report: Any, publish: Callable[[], None],
+                 on_phase: Callable[[Phase], None] | None, verb: str = "recover"):
+        self.report, self.publish, self.on_phase, self.verb = report, publish, on_phase, verb
 
     def add(self, name: str, state: str, started: float, **detail: Any) -> None:
         ph = Phase(name, state, round(time.monotonic() - started, 3), detail)
         self.report.phases.append(ph)
-        log.info("recover %s: %s %s (%.1fs) %s", self.report.pipeline, name, state, ph.seconds, detail)
+        log.info("%s %s: %s %s (%.1fs) %s", self.verb, self.report.pipeline, name, state, ph.seconds, detail)
         self.publish()
         if self.on_phase:
             self.on_phase(ph)

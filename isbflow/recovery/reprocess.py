@@ -75,7 +75,7 @@ import pyarrow.compute as pc
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.recovery import ledger
-from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, Phase, _descendants
+from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, Phase, _descendants, _Phases
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -312,22 +312,6 @@ def in_ranges(ids: pa.Array | pa.ChunkedArray, rng: Mapping[str, Sequence[Sequen
 
 
 # ------------------------------------------------------------------ helpers
-
-
-class _Phases:
-    """Times phases, logs them, and publishes the report in the status bucket."""
-
-    def __init__(self, report: ReprocessReport, publish: Callable[[], None],
-                 on_phase: Callable[[Phase], None] | None):
-        self.report, self.publish, self.on_phase = report, publish, on_phase
-
-    def add(self, name: str, state: str, started: float, **detail: Any) -> None:
-        ph = Phase(name, state, round(time.monotonic() - started, 3), detail)
-        self.report.phases.append(ph)
-        log.info("reprocess %s: %s %s (%.1fs) %s", self.report.pipeline, name, state, ph.seconds, detail)
-        self.publish()
-        if self.on_phase:
-            self.on_phase(ph)
 
 
 @dataclass
@@ -941,7 +925,7 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
         spark = spark() if callable(spark) else spark
         nc = run(connect(settings, name=f"isbflow-reprocess-{p.name}"))
         job = _Run(spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), run, nc, report,
-                   _Phases(report, publish, on_phase), settings)
+                   _Phases(report, publish, on_phase, verb="reprocess"), settings)
         job.plan(lo_map, hi_map, by_time, time_column)
         job.read(t_lo, t_hi, by_time)
         if dry_run:
