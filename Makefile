@@ -25,10 +25,13 @@ run: venv
 
 test: venv
 	@scripts/ensure-chromium
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+# ruff, and the layering contract in pyproject.toml (an upward import fails naming both modules)
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 bench: venv
 	$(VENV)/bin/python bench/throughput.py

@@ -3,7 +3,7 @@
 Contract:
 
 - :func:`records` ``(start, end)`` is pure: row ``i`` is the demo event
-  ``log_event(SEED, i % BASE_ROWS)`` (:mod:`isbflow.produce`) with
+  ``log_event(SEED, i % BASE_ROWS)`` (:mod:`isbflow.ops.produce`) with
   ``_isb_id = "in/0/<i + 1>"``, as Arrow in :data:`RECORD_ARROW` (the schema of
   the demo's parse step output). Every measurement reading "the records" reads
   exactly these rows, whether from frames, JSON files or memory.
@@ -83,7 +83,7 @@ def record_struct():
 @lru_cache(maxsize=1)
 def _base() -> tuple[pa.Table, list[str]]:
     """The BASE_ROWS distinct events as Arrow (no id) and as JSON-object prefixes (no closing brace)."""
-    from isbflow.produce import log_event, payload
+    from isbflow.ops.produce import log_event, payload
 
     evs = [log_event(SEED, i) for i in range(BASE_ROWS)]
     cols = {n: [e[n] for e in evs] for n, _ in RECORD_FIELDS}

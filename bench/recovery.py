@@ -132,7 +132,7 @@ def run(count: int, keep: bool) -> dict:
     from isbflow.isb import naming, provision
     from isbflow.isb.connect import connect, resolve_settings
     from isbflow.isb.server import start_embedded, stop_embedded
-    from isbflow.produce import produce
+    from isbflow.ops.produce import produce
     from isbflow.recovery.recover import recover
     from isbflow.spec import load_specs
     from isbflow.steps.runner import PipelineRunner, spark_session

@@ -66,7 +66,7 @@ def bench_spec(folder: Path, records: int) -> Path:
 
 
 def good_count(records: int) -> int:
-    from isbflow.produce import is_malformed
+    from isbflow.ops.produce import is_malformed
 
     return sum(1 for i in range(records) if not is_malformed(i, MALFORMED_EVERY))
 
@@ -78,9 +78,9 @@ def measure(workers: int, records: int, work: Path, memory: str) -> dict:
     from isbflow.isb import provision, reference
     from isbflow.isb.connect import resolve_settings
     from isbflow.isb.server import start_embedded, stop_embedded
-    from isbflow.produce import produce
+    from isbflow.ops.produce import produce
+    from isbflow.platform.standalone import start_standalone, stop_standalone
     from isbflow.spec import load_specs
-    from isbflow.standalone import start_standalone, stop_standalone
     from isbflow.steps.launch import driver_env
 
     work.mkdir(parents=True)

@@ -144,8 +144,7 @@ async def publish_frames(settings, subjects: list[str], total: int, frame_rows: 
 def publish_live_main() -> None:
     """Subprocess: publish ``rate`` events/s for ``seconds`` to ``subject`` with the publish time
     (``pub_ns``) in each event; acked; prints a JSON summary. Settings JSON comes on stdin."""
-    from isbflow.connector.options import settings_from_json
-    from isbflow.isb.connect import connect
+    from isbflow.isb.connect import connect, settings_from_json
 
     req = json.loads(sys.stdin.read())
     settings = settings_from_json(req["settings"])
@@ -194,7 +193,7 @@ class Bench:
         self.cfg, self.work, self.spark, self.settings, self.specs = cfg, work, spark, settings, specs
         self.p = specs.only_pipeline()
         self.sampler = sampler
-        from isbflow.connector.options import settings_to_json
+        from isbflow.isb.connect import settings_to_json
 
         self.settings_json = settings_to_json(settings)
 
@@ -401,7 +400,7 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
     from isbflow.isb import naming, provision
     from isbflow.isb.connect import resolve_settings
     from isbflow.isb.server import start_embedded, stop_embedded
-    from isbflow.produce import produce
+    from isbflow.ops.produce import produce
     from isbflow.spec import load_specs
     from isbflow.steps.runner import PipelineRunner, spark_session
 
@@ -555,8 +554,8 @@ def summarize(r: dict, sampler) -> None:
                     for k, label, op, bound in TARGETS]
     r["notes"] = [
         "Records: A, B, G and H read the same rows (bench/_common.records: demo events of "
-        "isbflow.produce, 10,000 distinct ones repeated, unique _isb_id); C, D, E read one-record "
-        "messages published by isbflow.produce.produce (the demo producer, seed 7).",
+        "isbflow.ops.produce, 10,000 distinct ones repeated, unique _isb_id); C, D, E read one-record "
+        "messages published by isbflow.ops.produce.produce (the demo producer, seed 7).",
         "A: frames were pre-filled (split_frames + acked publishes from this process, not timed; "
         "rate in produce_frames) into the two partition streams of the edge in->raw; the timed "
         "query reads them with format jetstream mode frames into isb-delta, availableNow.",

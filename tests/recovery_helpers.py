@@ -29,14 +29,14 @@ from typing import Any
 
 from deltalake import DeltaTable
 
-from isbflow.connector.dlq import read_dead_letters
 from isbflow.isb import provision, reference
+from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.server import NodeState, nats_dir, nats_server_binary, read_state
-from isbflow.produce import is_malformed, produce
+from isbflow.ops.produce import is_malformed, produce
 from isbflow.spec import Specs, load_specs
 from isbflow.spec.models import Pipeline
-from isbflow.steps import state as st
 from isbflow.steps.drain import drain_pipeline
 from isbflow.steps.runner import PipelineRunner
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from isbflow.connector.dlq import read_dead_letters
 from isbflow.isb import provision, reference
 from isbflow.isb.connect import NatsSettings
-from isbflow.produce import is_malformed, produce
+from isbflow.isb.dlq import read_dead_letters
+from isbflow.ops.produce import is_malformed, produce
 from isbflow.spec import load_specs
 from isbflow.steps.launch import driver_env
 from tests.conftest import ROOT

@@ -27,15 +27,15 @@ from isbflow.airflow.assets import parse_sink_uri, sink_uri, sinks_from_events
 from isbflow.airflow.triggers.lag import lag_event
 from isbflow.isb import naming, provision
 from isbflow.isb.connect import connect
+from isbflow.isb.loss import DetectedLoss
+from isbflow.isb.state import StepStatus, put_status
+from isbflow.ops.produce import produce
 from isbflow.platform import nats_connection_json
-from isbflow.produce import produce
-from isbflow.recovery.recover import LostBuffer
+from isbflow.recovery.watchdog import judge, next_history
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.times import TimeExpressionError, resolve_range, resolve_time
 from isbflow.steps.lag import pipeline_lag
 from isbflow.steps.runner import PipelineRunner
-from isbflow.steps.state import StepStatus, put_status
-from isbflow.steps.watchdog import judge, next_history
 from tests.airflow_env import DAGS, ROOT, airflow_home  # noqa: F401
 
 SPEC = ROOT / "tests" / "specs" / "airflow-mini.yaml"
@@ -93,7 +93,7 @@ def test_watchdog_judgement():
     assert [(f.kind, f.step) for f in stale.findings] == [("stale-heartbeat", "raw")]
     assert "step raw: last heartbeat 95s ago" in stale.findings[0].message
 
-    lost = LostBuffer("isb-p-in-raw-0", "the stream no longer exists", 41)
+    lost = DetectedLoss("isb-p-in-raw-0", "the stream no longer exists", 41)
     growing = judge("p", {"in": _status("in", "running", 1)}, now, history={"in": [5, 10, 20, 40]},
                     lost=[lost], lag_growth_runs=3)
     assert [f.kind for f in growing.findings] == ["lag-growing", "buffer-lost"]

@@ -21,8 +21,8 @@ import pytest
 from deltalake import DeltaTable
 
 from isbflow.isb import provision
+from isbflow.ops.produce import produce
 from isbflow.platform import nats_connection_json
-from isbflow.produce import produce
 from isbflow.spec import load_specs
 from isbflow.steps.launch import read_launch, stop_launch
 from tests.airflow_env import DAGS, ROOT, airflow_home  # noqa: F401

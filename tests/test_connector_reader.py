@@ -14,13 +14,13 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from isbflow.connector import offsets as off
-from isbflow.connector.errors import BufferLost, BufferNotFound, ConnectorOptionError
-from isbflow.connector.fastread import consume_range, read_range, stream_state
-from isbflow.connector.options import ReaderOptions, settings_from_json, settings_to_json
+from isbflow.connector.options import ReaderOptions
 from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource, JetStreamPartition
-from isbflow.connector.release import interest_hold_consumer, release
 from isbflow.isb import frames
-from isbflow.isb.connect import connect
+from isbflow.isb.connect import connect, settings_from_json, settings_to_json
+from isbflow.isb.errors import BufferLost, BufferNotFound, ConnectorOptionError
+from isbflow.isb.read import consume_range, read_range, stream_state
+from isbflow.isb.release import interest_hold_consumer, release
 
 SCHEMA = StructType([StructField("id", LongType()), StructField("msg", StringType())])
 ROWS_PER_FRAME = 100

@@ -17,9 +17,6 @@ import pyarrow as pa
 import pytest
 from nats.js.api import DiscardPolicy, StreamConfig
 
-from isbflow.connector import dlq
-from isbflow.connector.errors import ConnectorOptionError
-from isbflow.connector.options import settings_to_json
 from isbflow.connector.writer import (
     PARTITION_COLUMN,
     InvalidPartitionColumn,
@@ -28,8 +25,9 @@ from isbflow.connector.writer import (
     WriterOptions,
     read_write_stats,
 )
-from isbflow.isb import frames, naming
-from isbflow.isb.connect import connect
+from isbflow.isb import dlq, frames, naming
+from isbflow.isb.connect import connect, settings_to_json
+from isbflow.isb.errors import ConnectorOptionError
 from isbflow.spec.models import OnFull
 from tests.memory_source import memory_rows
 

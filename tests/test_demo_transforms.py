@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pyspark.sql import functions as F
 
-from isbflow import produce as P
+from isbflow.ops import produce as P
 from isbflow.spec import load_specs
 from spark_apps import logs
 from tests.conftest import ROOT

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from isbflow.isb import provision
+from isbflow.isb import state as st
 from isbflow.isb.connect import connect
 from isbflow.spec import load_specs
-from isbflow.steps import state as st
 from isbflow.steps.drain import DrainTimeout, drain_pipeline
 from tests.conftest import ROOT
 

@@ -28,7 +28,7 @@ from nats.js.api import StorageType, StreamConfig
 from isbflow.connector.writer import read_write_stats
 from isbflow.isb import naming, provision
 from isbflow.isb.connect import connect
-from isbflow.produce import log_event, produce
+from isbflow.ops.produce import log_event, produce
 from isbflow.recovery.recover import RecoveryError, recover
 from isbflow.steps.drain import DrainTimeout, drain_pipeline
 from isbflow.steps.launch import launch_pipeline, stop_launch, wait_exit
@@ -333,8 +333,8 @@ def test_recover_drains_what_runs_and_not_what_stopped_or_died(nats_server, monk
     it after SILENT_HEARTBEAT_S rather than after the timeout."""
     import time as _time
 
+    from isbflow.isb import state as st
     from isbflow.recovery import recover as rec
-    from isbflow.steps import state as st
 
     monkeypatch.setattr(rec, "SILENT_HEARTBEAT_S", 1.0)
     settings = nats_server.settings

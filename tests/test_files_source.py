@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from isbflow import produce as P
 from isbflow.connector.files import (
     FileSegment as Seg,
 )
@@ -17,6 +16,7 @@ from isbflow.connector.files import (
     Position,
     land,
 )
+from isbflow.ops import produce as P
 
 
 def _lines(seed: int, start: int, count: int) -> list[bytes]:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from isbflow.isb.connect import NatsSettings, resolve_settings
+from isbflow.isb.state import Observed, StepStatus
 from isbflow.steps import launch as L
-from isbflow.steps.state import Observed, StepStatus
 
 SECRET = "pw-never-on-cmdline-17"
 SETTINGS = NatsSettings(servers=("nats://isbflow:" + SECRET + "@127.0.0.1:4299",))

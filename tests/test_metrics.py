@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from isbflow.isb.server import free_port
+from isbflow.isb.state import StepStatus
 from isbflow.spec import load_specs
 from isbflow.steps.metrics import PipelineMetrics, buffer_usage, read_targets, series_names
-from isbflow.steps.state import StepStatus
 from tests.conftest import ROOT
 from tests.scale_env import ISBFLOW, SPEC, DemoRun
 

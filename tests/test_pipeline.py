@@ -17,15 +17,15 @@ import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from isbflow.connector.dlq import read_dead_letters
 from isbflow.isb import provision, reference
 from isbflow.isb.connect import connect
-from isbflow.produce import is_malformed, produce
+from isbflow.isb.dlq import read_dead_letters
+from isbflow.isb.state import Observed
+from isbflow.ops.produce import is_malformed, produce
 from isbflow.quality.run import read_version
 from isbflow.spec import load_specs
 from isbflow.steps.drain import drain_pipeline
 from isbflow.steps.runner import PipelineRunner
-from isbflow.steps.state import Observed
 from spark_apps import logs
 from tests.conftest import ROOT
 

@@ -9,9 +9,9 @@ from datetime import datetime
 import pytest
 from nats.js.api import StreamConfig
 
-from isbflow import produce as P
 from isbflow.isb import naming
 from isbflow.isb.connect import connect
+from isbflow.ops import produce as P
 from isbflow.spec import load_specs
 from tests.conftest import ROOT
 

@@ -311,7 +311,7 @@ def test_a_source_stream_named_in_the_spec_is_created_but_never_changed(nats_ser
 def test_interest_buffers_keep_messages_until_released(nats_server, tmp_path):
     """Interest retention stores nothing without a consumer: apply adds the hold consumer,
     so published frames stay readable until release() purges them after the commit."""
-    from isbflow.connector.release import release
+    from isbflow.isb.release import release
 
     specs = spec(tmp_path, retention="Interest")
     apply(nats_server.settings, specs)

@@ -20,9 +20,9 @@ from deltalake import DeltaTable, write_deltalake
 from typer.testing import CliRunner
 
 from isbflow.quality import checks, docs, reports
-from isbflow.quality.expectations import build_catalog, catalog, check_expectations
 from isbflow.quality.run import dead_letter_ids, expected_schema, run_quality
 from isbflow.spec import SpecError, load_specs
+from isbflow.spec.expectations import build_catalog, catalog, check_expectations
 from isbflow.steps.runner import PipelineRunner
 from tests.conftest import ROOT
 
@@ -188,7 +188,7 @@ def _by_name(report) -> dict[str, checks.CheckResult]:
 
 def test_demo_sinks_clean_then_injected_bad_data(spark, nats_server):
     from isbflow.isb import provision, reference
-    from isbflow.produce import produce
+    from isbflow.ops.produce import produce
 
     specs = load_specs(LOGS)
     p = specs.only_pipeline()

@@ -17,12 +17,12 @@ import pytest
 from deltalake import DeltaTable
 from nats.js.api import StorageType, StreamConfig
 
-from isbflow.isb import naming, provision, reference
+from isbflow.isb import ledger, naming, provision, reference
 from isbflow.isb.connect import connect
+from isbflow.isb.loss import detect_loss
 from isbflow.isb.server import start_embedded, stop_embedded
-from isbflow.produce import is_malformed, produce
-from isbflow.recovery import ledger
-from isbflow.recovery.recover import detect_loss, recover
+from isbflow.ops.produce import is_malformed, produce
+from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from tests.conftest import ROOT
 from tests.recovery_helpers import run_available_now

@@ -8,8 +8,8 @@ import time
 
 from pyspark.sql import functions as F
 
-from isbflow.connector.options import settings_to_json
 from isbflow.isb import reference
+from isbflow.isb.connect import settings_to_json
 
 
 def test_stream_static_join_sees_a_changed_value(spark, nats_server, tmp_path):

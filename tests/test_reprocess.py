@@ -18,10 +18,9 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from isbflow.isb import provision
+from isbflow.isb import ledger, provision
 from isbflow.isb.connect import connect
-from isbflow.produce import BASE_TIME, is_malformed, produce
-from isbflow.recovery import ledger
+from isbflow.ops.produce import BASE_TIME, is_malformed, produce
 from isbflow.recovery.reprocess import (
     RangeError,
     ReprocessError,

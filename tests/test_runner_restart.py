@@ -3,8 +3,8 @@ query and writer are stand-ins; restarting from a checkpoint itself is Spark's).
 
 from __future__ import annotations
 
+from isbflow.isb.state import StepStatus
 from isbflow.steps.runner import MAX_RESTARTS, PipelineRunner, RunningQuery, StepRun
-from isbflow.steps.state import StepStatus
 
 
 class _Writer:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from deltalake import DeltaTable, write_deltalake
 
-from isbflow.sinks.aggregates import AggregateError, recompute_windows
+from isbflow.recovery.aggregates import AggregateError, recompute_windows
 from isbflow.sinks.delta import (
     DeltaSinkError,
     DeltaSinkOptionError,

@@ -1,7 +1,7 @@
 """The demo pipeline on a real Spark standalone cluster (one master, one worker) on loopback.
 
 The master and worker are the pyspark wheel's own ``spark-class`` daemons
-(:mod:`isbflow.standalone`), bound to 127.0.0.1, stopped by PID at teardown.
+(:mod:`isbflow.platform.standalone`), bound to 127.0.0.1, stopped by PID at teardown.
 ``isbflow pipeline run --master spark://127.0.0.1:<port>`` runs as a subprocess
 with its own client-mode driver (standalone takes no Python application in
 cluster deploy mode); its tasks run in an executor the worker starts. The sinks
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from isbflow.standalone import start_standalone, stop_standalone
+from isbflow.platform.standalone import start_standalone, stop_standalone
 from tests.scale_env import DemoRun
 
 pytestmark = pytest.mark.slow

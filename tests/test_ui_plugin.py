@@ -7,7 +7,7 @@ process (:class:`UiChild`) that has the test's ``AIRFLOW_HOME``: Airflow reads i
 configuration once per process at import, and the pytest process never imports it
 (the rule of ``tests/airflow_env.py``). The child answers one JSON request per line.
 
-Status is written to a real nats-server through :mod:`isbflow.steps.state`; quality
+Status is written to a real nats-server through :mod:`isbflow.isb.state`; quality
 reports through :func:`isbflow.quality.reports.save_report`; the last drain and replay
 are real DAG runs (``dag.test()``) in the module's own metadata DB, which starts empty
 so "none" is what it shows before them.
@@ -36,6 +36,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import pytest
 
 from isbflow.isb import naming, provision
+from isbflow.isb import state as st
 from isbflow.isb.connect import connect
 from isbflow.isb.server import start_embedded, stop_embedded
 from isbflow.platform import airflow_env, nats_connection_json
@@ -43,7 +44,6 @@ from isbflow.quality import reports
 from isbflow.quality.checks import CheckResult
 from isbflow.quality.run import QualityReport
 from isbflow.spec import load_specs
-from isbflow.steps import state as st
 from tests.airflow_env import DAGS, ROOT, AirflowHome
 
 pytestmark = pytest.mark.slow

@@ -167,8 +167,8 @@ def status(
 ) -> None:
     """Each step's state, batch, committed offsets, lag, rates and dead-letter count."""
     from isbflow.isb.connect import connect
+    from isbflow.isb.state import all_status, get_desired
     from isbflow.recovery.status import last_recovery, recovery_line
-    from isbflow.steps.state import all_status, get_desired
 
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)

@@ -68,8 +68,8 @@ def produce(
 
       isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
-    from isbflow import produce as P
     from isbflow.isb.provision import select_pipeline
+    from isbflow.ops import produce as P
     from isbflow.spec import SpecError
 
     specs = load_or_exit(file)

@@ -44,7 +44,7 @@ def _sinks(p, wanted: list[str] | None) -> list[str]:
 @app.command("check")
 def check(file: SpecFile, json_out: JsonOut = False) -> None:
     """Build every expectation of the spec with GX: exit 2 with FILE: field: problem lines if one fails."""
-    from isbflow.quality.expectations import check_expectations
+    from isbflow.spec.expectations import check_expectations
 
     problems = check_expectations(load_or_exit(file))
     if json_out:

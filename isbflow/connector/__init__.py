@@ -4,10 +4,10 @@
   ``jetstream``), its streaming and batch readers;
 - :mod:`isbflow.connector.options`: the options, and NatsSettings as an option;
 - :mod:`isbflow.connector.offsets`: the offset JSON and the read-limit split;
-- :mod:`isbflow.connector.fastread`: exact range reads (batched direct get);
-- :mod:`isbflow.connector.release`: freeing buffer space after the downstream commit;
-- :mod:`isbflow.connector.errors`: ``BufferLost`` and the other user-facing errors.
+- :mod:`isbflow.isb.read`: exact range reads (batched direct get);
+- :mod:`isbflow.isb.release`: freeing buffer space after the downstream commit;
+- :mod:`isbflow.isb.errors`: ``BufferLost`` and the other user-facing errors.
 
-Nothing is imported here, so ``isbflow.connector.release`` and ``.errors`` can
+Nothing is imported here, so ``isbflow.isb.release`` and ``.errors`` can
 be used without loading pyspark.
 """

@@ -6,7 +6,7 @@ person and by the recovery ledger)::
     {"<stream>": {"inc": "<stream created time>", "seq": <last sequence included>}}
 
 ``inc`` (the stream's creation time, see
-:class:`isbflow.connector.fastread.StreamState`) tells incarnations apart: a
+:class:`isbflow.isb.read.StreamState`) tells incarnations apart: a
 deleted and recreated stream restarts its sequences at 1, so a sequence means
 nothing without it.
 

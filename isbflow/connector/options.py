@@ -1,12 +1,12 @@
 """Options of ``format("jetstream")``, parsed and checked once, and NatsSettings as an option.
 
 Spark passes every option as a string. :class:`ReaderOptions` turns them into
-typed values (or :class:`~isbflow.connector.errors.ConnectorOptionError` naming
+typed values (or :class:`~isbflow.isb.errors.ConnectorOptionError` naming
 the option); readers and writers never look at the raw mapping again.
 
 Connection settings travel as the ``settings`` option, the JSON of
-:class:`isbflow.isb.connect.NatsSettings` (:func:`settings_to_json` /
-:func:`settings_from_json`). Without it the settings are resolved where the
+:class:`isbflow.isb.connect.NatsSettings` (:func:`isbflow.isb.connect.settings_to_json` /
+:func:`~isbflow.isb.connect.settings_from_json`). Without it the settings are resolved where the
 source is created (``NATS_URL``, or the embedded server's state file, see
 :func:`isbflow.isb.connect.resolve_settings`). The JSON holds any password or
 token in clear: Spark redacts option *keys* matching
@@ -17,15 +17,14 @@ clusters.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from isbflow.connector.errors import ConnectorOptionError
-from isbflow.isb.connect import NatsSettings, resolve_settings
+from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
+from isbflow.isb.errors import ConnectorOptionError
 from isbflow.spec.models import DEFAULT_LIMITS
 
 Mode = Literal["frames", "events"]
@@ -36,28 +35,7 @@ DEFAULT_FRAME_ROWS = 10_000
 DEFAULT_PARTITION_MSGS: dict[str, int] = {"frames": 100, "events": 50_000}
 
 
-def settings_to_json(settings: NatsSettings) -> str:
-    """The ``settings`` option value for ``settings``."""
-    return json.dumps(dataclasses.asdict(settings))
-
-
-def settings_from_json(text: str) -> NatsSettings:
-    """Inverse of :func:`settings_to_json`."""
-    try:
-        d = json.loads(text)
-        known = {f.name for f in dataclasses.fields(NatsSettings)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown field(s) {sorted(unknown)}")
-        d["servers"] = tuple(d["servers"])
-        return NatsSettings(**d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConnectorOptionError(
-            f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
-            "isbflow.connector.options.settings_to_json") from None
-
-
-def _int(options: Mapping[str, str], key: str, default: int, minimum: int = 1) -> int:
+def int_option(options: Mapping[str, str], key: str, default: int, minimum: int = 1) -> int:
     raw = options.get(key)
     if raw is None or str(raw).strip() == "":
         return default
@@ -112,7 +90,7 @@ class ReaderOptions:
     ending_offsets: str | dict | None
     partition_msgs: int
     #: drain: with both set, latestOffset never passes the drain point the runner
-    #: froze in the pipeline's status KV (``drain.<vertex>``; see isbflow.steps.state)
+    #: froze in the pipeline's status KV (``drain.<vertex>``; see isbflow.isb.state)
     drain_pipeline: str | None = None
     drain_vertex: str | None = None
 
@@ -135,13 +113,13 @@ class ReaderOptions:
             streams=streams,
             mode=mode,  # type: ignore[arg-type]
             settings=settings,
-            read_max_rows=_int(options, "readMaxRows", DEFAULT_LIMITS.readBatchSize or 100_000),
-            frame_rows=_int(options, "frameRows", DEFAULT_FRAME_ROWS),
+            read_max_rows=int_option(options, "readMaxRows", DEFAULT_LIMITS.readBatchSize or 100_000),
+            frame_rows=int_option(options, "frameRows", DEFAULT_FRAME_ROWS),
             source_name=source_name,
             on_buffer_loss=_choice(options, "onBufferLoss", ("fail", "replay"), "fail"),  # type: ignore[arg-type]
             starting_offsets=_offsets_option(options, "startingOffsets", ("earliest", "latest")),
             ending_offsets=_offsets_option(options, "endingOffsets", ("latest",)),
-            partition_msgs=_int(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
+            partition_msgs=int_option(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
             drain_pipeline=(options.get("pipeline") or None),
             drain_vertex=(options.get("vertex") or None),
         )

@@ -33,10 +33,10 @@ Contract: the source is *replayable*. An offset range names exact sequences of
 exact stream incarnations, and ``read`` returns exactly those messages or fails,
 so reading a range twice gives the same rows; this is what makes Spark's
 checkpoint exactly-once. Nothing here acknowledges or deletes: space is released
-by :func:`isbflow.connector.release.release` after the *downstream* commit.
+by :func:`isbflow.isb.release.release` after the *downstream* commit.
 
 Buffer loss (a stream missing, recreated, or whose first sequence moved past an
-offset not yet read) raises :class:`~isbflow.connector.errors.BufferLost`
+offset not yet read) raises :class:`~isbflow.isb.errors.BufferLost`
 naming the stream and range with ``onBufferLoss=fail``; with ``replay`` the
 source logs it, records it in the offset (``lost``) and continues from what the
 stream holds now.
@@ -65,23 +65,23 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from isbflow.connector import offsets as off
-from isbflow.connector.errors import (
+from isbflow.connector.offsets import StreamOffset
+from isbflow.connector.options import ReaderOptions
+from isbflow.isb import frames
+from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.errors import (
     BufferLost,
     BufferNotFound,
     BufferReadError,
     ConnectorOptionError,
 )
-from isbflow.connector.fastread import (
+from isbflow.isb.read import (
     Message,
     StreamState,
     close_loop,
     read_partition,
     stream_state,
 )
-from isbflow.connector.offsets import StreamOffset
-from isbflow.connector.options import ReaderOptions
-from isbflow.isb import frames
-from isbflow.isb.connect import NatsSettings, connect
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class _Link:
 
     def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:
         """The end offsets frozen for a draining step (stream -> last seq), or None."""
-        from isbflow.steps.state import get_drain_point
+        from isbflow.isb.state import get_drain_point
 
         self.states(())  # opens the loop and connection
         assert self._loop is not None
@@ -388,7 +388,7 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         Spark calls it a batch late (after the next ``latestOffset``), never for
         the last batch of an availableNow run, and not again after a restart, and
         it says nothing about the *downstream* commit. Buffer space is released by
-        :func:`isbflow.connector.release.release` after the downstream commit
+        :func:`isbflow.isb.release.release` after the downstream commit
         (DESIGN.md, "The Spark connector")."""
 
 

@@ -24,8 +24,8 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from isbflow.connector.options import settings_from_json
 from isbflow.isb import reference
+from isbflow.isb.connect import settings_from_json
 
 
 class ReferenceDataSource(DataSource):

@@ -26,7 +26,7 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   duplicates window drops them; the PubAck's ``duplicate`` flag is counted.
   Order within a partition is kept (see *Full buffer* for the one exception).
 - **Oversized records.** A row that alone exceeds ``maxPayload`` goes to the
-  dead-letter buffer (:mod:`isbflow.connector.dlq`) with the reason
+  dead-letter buffer (:mod:`isbflow.isb.dlq`) with the reason
   ``record of N bytes exceeds max_payload M at step S``; the rest flows on.
 - **Full buffer.** With ``bufferMaxLength`` set, a partition holds at most
   ``ceil(bufferMaxLength * bufferUsageLimit / frameRows)`` frames not yet
@@ -80,11 +80,11 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ByteType, IntegerType, LongType, ShortType, StructType
 
-from isbflow.connector.dlq import DeadLetter, publish_dead_letters
-from isbflow.connector.errors import ConnectorOptionError
-from isbflow.connector.options import DEFAULT_FRAME_ROWS, _int, settings_from_json
+from isbflow.connector.options import DEFAULT_FRAME_ROWS, int_option
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect, resolve_settings
+from isbflow.isb.connect import NatsSettings, connect, resolve_settings, settings_from_json
+from isbflow.isb.dlq import DeadLetter, publish_dead_letters
+from isbflow.isb.errors import ConnectorOptionError
 from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, split_frames
 from isbflow.spec.models import DEFAULT_LIMITS, OnFull
 
@@ -133,7 +133,7 @@ class BufferWriteError(Exception):
 
 def _optional_int(options: Mapping[str, str], key: str) -> int | None:
     raw = options.get(key)
-    return None if raw is None or str(raw).strip() == "" else _int(options, key, 0)
+    return None if raw is None or str(raw).strip() == "" else int_option(options, key, 0)
 
 
 def _required(options: Mapping[str, str], key: str, what: str) -> str:
@@ -195,16 +195,16 @@ class WriterOptions:
             pipeline=_required(options, "pipeline", "the pipeline name (names the buffers)"),
             step=_required(options, "step", "the writing vertex (names the buffers and frame ids)"),
             to=_required(options, "to", "the target vertex of the edge written"),
-            partitions=_int(options, "partitions", 1),
+            partitions=int_option(options, "partitions", 1),
             max_payload=_optional_int(options, "maxPayload"),
-            frame_rows=_int(options, "frameRows", DEFAULT_FRAME_ROWS),
+            frame_rows=int_option(options, "frameRows", DEFAULT_FRAME_ROWS),
             buffer_max_length=_optional_int(options, "bufferMaxLength"),
             buffer_usage_limit=usage_limit,
             on_full=on_full,
             committed_key=committed_key,
             dlq_subject=str(options.get("dlqSubject") or "").strip() or None,
             stats_dir=str(options.get("statsDir") or "").strip() or None,
-            window=_int(options, "publishWindow", DEFAULT_WINDOW),
+            window=int_option(options, "publishWindow", DEFAULT_WINDOW),
         )
 
     def buffer(self, partition: int) -> naming.EdgePartition:

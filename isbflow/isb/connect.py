@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import json
 import logging
 import os
 import ssl
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
+
+from isbflow.isb.errors import ConnectorOptionError
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -262,3 +266,24 @@ async def connect(
     connected = True
     nc.options["max_reconnect_attempts"] = reconnect_attempts
     return nc
+
+
+def settings_to_json(settings: NatsSettings) -> str:
+    """The ``settings`` option value for ``settings``."""
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def settings_from_json(text: str) -> NatsSettings:
+    """Inverse of :func:`settings_to_json`."""
+    try:
+        d = json.loads(text)
+        known = {f.name for f in dataclasses.fields(NatsSettings)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown)}")
+        d["servers"] = tuple(d["servers"])
+        return NatsSettings(**d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConnectorOptionError(
+            f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
+            "isbflow.isb.connect.settings_to_json") from None

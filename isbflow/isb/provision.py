@@ -387,10 +387,10 @@ def _server_error(verb: str, r: Resource, settings: NatsSettings, e: Exception) 
 async def _ensure_hold(js: JetStreamContext, r: Resource) -> None:
     """Interest streams keep nothing without a consumer (checked on nats-server 2.15.1:
     5 published, 0 stored): give each one the durable hold consumer, so messages stay
-    until :func:`isbflow.connector.release.release` purges them after the downstream
+    until :func:`isbflow.isb.release.release` purges them after the downstream
     commit. Creating a durable with the same config again is a no-op."""
     if r.kind == "stream" and r.fields.get("retention") == RetentionPolicy.INTEREST:
-        from isbflow.connector.release import interest_hold_consumer
+        from isbflow.isb.release import interest_hold_consumer
 
         await js.add_consumer(r.stream, interest_hold_consumer())
 

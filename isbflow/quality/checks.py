@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol
 
-ID_COLUMN = "_isb_id"
+from isbflow.isb.ledger import ID_COLUMN
+
 SAMPLE_SIZE = 5
 _ID_RE = r"^(.*)/([0-9]+)$"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

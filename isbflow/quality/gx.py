@@ -89,7 +89,7 @@ def validate(data_dir: Path, pipeline: str, sink: str, df, expectations: Sequenc
     import great_expectations as gx
     from great_expectations.checkpoint import UpdateDataDocsAction
 
-    from isbflow.quality.expectations import build_expectation
+    from isbflow.spec.expectations import build_expectation
 
     root = gx_root(data_dir)
     name = f"{pipeline}.{sink}"

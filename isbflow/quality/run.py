@@ -28,6 +28,7 @@ from typing import Any
 
 from isbflow.quality import checks
 from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
+from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
 from isbflow.spec.models import Pipeline, QualityGate, SinkQuality
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,14 @@ log = logging.getLogger(__name__)
 
 class QualityError(Exception):
     """A quality run cannot start: no such sink, no table yet, ...; the message says what to do."""
+
+
+def _sink_table(call, *args):
+    """``call(*args)`` with a missing sink or table reported as a :class:`QualityError`."""
+    try:
+        return call(*args)
+    except SinkTableError as e:
+        raise QualityError(str(e)) from None
 
 
 @dataclass
@@ -84,42 +93,9 @@ class QualityReport:
 # ------------------------------------------------------------------ inputs
 
 
-def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
-    """The Delta table folder of sink vertex ``sink`` (relative paths live under the data dir)."""
-    try:
-        v = pipeline.vertex(sink)
-    except KeyError:
-        v = None
-    if v is None or v.sink is None:
-        sinks = [x.name for x in pipeline.spec.vertices if x.sink is not None]
-        raise QualityError(f"pipeline {pipeline.name!r} has no sink vertex {sink!r} (sinks: {', '.join(sinks)})")
-    path = Path(v.sink.delta.path)
-    return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
-
-
-def read_version(spark, path: str):
-    """(DataFrame of the table's current version, version, that commit's metadata)."""
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        table = DeltaTable(path)
-    except TableNotFoundError:
-        raise QualityError(f"no Delta table at {path}: the sink has not committed a batch yet; "
-                           "run the pipeline first") from None
-    version = table.version()
-    uris = table.file_uris()
-    if uris:
-        df = spark.read.option("basePath", path).parquet(*uris)
-    else:
-        df = spark.createDataFrame(table.schema().to_arrow().empty_table())
-    history = table.history(1)
-    return df, version, (history[0] if history else {})
-
-
 def dead_letter_ids(settings, pipeline: str) -> set[str]:
     """The ``_isb_id`` of every dead-lettered record of the pipeline (needs the ISB service)."""
-    from isbflow.connector.dlq import read_dead_letters
+    from isbflow.isb.dlq import read_dead_letters
 
     letters = asyncio.run(read_dead_letters(settings, pipeline))
     return {dl["origin"] for dl in letters if dl.get("origin")}
@@ -134,34 +110,6 @@ def expected_schema(runner, sink: str):
 def quality_of(pipeline: Pipeline, sink: str) -> SinkQuality:
     """The sink's quality settings (defaults when the spec has none: built-ins, gate ``fail``)."""
     return next((q for q in pipeline.spec.quality if q.sink == sink), SinkQuality(sink=sink))
-
-
-def find_raw_sink(spark, pipeline: Pipeline, sink: str, data_dir: str | Path) -> str | None:
-    """The raw sink (has ``_isb_id``) sharing the most upstream steps with ``sink``."""
-    def ancestors(name: str) -> set[str]:
-        seen, todo = set(), [name]
-        while todo:
-            for e in pipeline.inputs(todo.pop()):
-                if e.from_ not in seen:
-                    seen.add(e.from_)
-                    todo.append(e.from_)
-        return seen
-
-    mine = ancestors(sink)
-    best: tuple[int, str] | None = None
-    for v in pipeline.spec.vertices:
-        if v.sink is None or v.name == sink:
-            continue
-        shared = len(mine & ancestors(v.name))
-        if shared == 0 or (best and best[0] >= shared):
-            continue
-        try:
-            df, _, _ = read_version(spark, sink_table_path(pipeline, v.name, data_dir))
-        except QualityError:
-            continue
-        if ID_COLUMN in df.columns:
-            best = (shared, v.name)
-    return best[1] if best else None
 
 
 # ------------------------------------------------------------------ the run
@@ -184,10 +132,10 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     now = now or datetime.now(UTC)
     data_dir = Path(data_dir).absolute()
     q = quality_of(pipeline, sink)
-    path = sink_table_path(pipeline, sink, data_dir)
+    path = _sink_table(sink_table_path, pipeline, sink, data_dir)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    df, version, commit = read_version(spark, path)
+    df, version, commit = _sink_table(read_version, spark, path)
     df = df.cache()
     rows = df.count()
     timings["read_s"] = time.perf_counter() - t0
@@ -220,7 +168,7 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
         if raw_name is None:
             results.append(checks.skipped("windows", "no raw sink shares an upstream step with this one"))
         else:
-            raw_df, _, _ = read_version(spark, sink_table_path(pipeline, raw_name, data_dir))
+            raw_df, _, _ = _sink_table(read_version, spark, sink_table_path(pipeline, raw_name, data_dir))
             results.append(checks.window_recompute(df, raw_df, sample=window_sample))
             offsets = {s: [lo, hi] for s, (lo, hi, _) in sorted(checks.offset_ranges(raw_df).items())}
             offsets_from = f"raw sink {raw_name!r} ids (what the windows were recomputed from)"

@@ -24,15 +24,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from isbflow.isb import naming
+from isbflow.isb import ledger, naming
 from isbflow.isb.connect import NatsSettings, connect
-from isbflow.recovery import ledger
-from isbflow.recovery.recover import (
-    RUNNING_HEARTBEAT_S,
-    LostBuffer,
-    detect_loss,
-    region_of,
-)
+from isbflow.isb.loss import DetectedLoss, detect_loss
+from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, region_of
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -57,7 +52,7 @@ class PartitionReplay:
 @dataclass
 class RecoveryPlan:
     pipeline: str
-    lost: list[LostBuffer] = field(default_factory=list)
+    lost: list[DetectedLoss] = field(default_factory=list)
     region: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)  # steps recover would drain first
@@ -115,7 +110,7 @@ def plan_recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings
         nc = loop.run_until_complete(connect(settings, name=f"isbflow-plan-{p.name}"))
         try:
             found = (loop.run_until_complete(detect_loss(nc, p, data_dir)) if not lost
-                     else [LostBuffer(s, "named by the caller") for s in lost])
+                     else [DetectedLoss(s, "named by the caller") for s in lost])
             plan.lost = found
             if not found:
                 return plan
@@ -197,9 +192,9 @@ class _LedgerState:
 
 async def _read_state(nc, settings: NatsSettings, p: Pipeline, plan: RecoveryPlan) -> _LedgerState:
     """Fill ``plan.running`` (steps recover would drain) and read the ledger, dead letters and sources."""
-    from isbflow.connector.dlq import read_dead_letters
-    from isbflow.connector.fastread import stream_state
-    from isbflow.steps import state as st
+    from isbflow.isb import state as st
+    from isbflow.isb.dlq import read_dead_letters
+    from isbflow.isb.read import stream_state
 
     statuses = await st.all_status(nc, p.name, plan.region)
     plan.running = [v for v, s in statuses.items() if s is not None and s.age() < RUNNING_HEARTBEAT_S

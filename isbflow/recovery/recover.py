@@ -18,7 +18,7 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
    every sink would hold it), so the replay regenerates it; keeping them would
    feed those records twice to their readers, and their frames' ids would
    collide with the replay's in JetStream's duplicates window.
-4. **rewind**: per source partition the low offset (:mod:`isbflow.recovery.ledger`:
+4. **rewind**: per source partition the low offset (:mod:`isbflow.isb.ledger`:
    the ledger KV united with the sinks' own ``isb.offsets`` history, dead
    letters counted as done). The region's steps' checkpoints and write stats
    are moved aside (``checkpoints/<pipeline>/_recovered-<stamp>/``), the
@@ -45,7 +45,7 @@ replayed stateful step saw only records from the low offset on, so those
 windows can be short; the sink may also lack records below the low offset
 (no ledger says). So after the replay every aggregate sink fed by a
 ``udf.output: update`` step is recomputed from the raw sink in batch, all its
-windows, in one commit (:func:`isbflow.sinks.aggregates.recompute_windows`):
+windows, in one commit (:func:`isbflow.recovery.aggregates.recompute_windows`):
 it then equals the batch recomputation. The replay phase reports
 ``recomputed_windows`` per sink; an aggregate without a raw sink to recompute
 from stays as replayed (logged, ``recompute_failed``). Recover still reports
@@ -77,9 +77,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from isbflow.isb import naming, provision
+from isbflow.isb import ledger, naming, provision
 from isbflow.isb.connect import NatsSettings, connect
-from isbflow.recovery import ledger
+from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -94,15 +94,6 @@ SILENT_HEARTBEAT_S = 15.0
 
 class RecoveryError(Exception):
     """Recovery could not proceed; the message says which phase, what, and what to do."""
-
-
-@dataclass(frozen=True)
-class LostBuffer:
-    stream: str
-    reason: str
-    #: first lost sequence of the old incarnation (None: unknown)
-    first: int | None = None
-    last: int | None = None
 
 
 @dataclass
@@ -132,7 +123,7 @@ class SinkCheck:
 @dataclass
 class RecoveryReport:
     pipeline: str
-    lost: list[LostBuffer] = field(default_factory=list)
+    lost: list[DetectedLoss] = field(default_factory=list)
     phases: list[Phase] = field(default_factory=list)
     region: list[str] = field(default_factory=list)
     low_offsets: dict[str, dict] = field(default_factory=dict)
@@ -204,64 +195,6 @@ def region_of(p: Pipeline, lost_streams: set[str]) -> tuple[set[str], set[str]]:
         sources |= more
 
 
-# ------------------------------------------------------------------ detect
-
-
-def _checkpoint_offsets(ckpt: Path) -> dict[str, dict]:
-    """Stream -> {"inc", "seq"} from the last entry of a query's offset log ({} if none)."""
-    d = ckpt / "offsets"
-    if not d.is_dir():
-        return {}
-    batches = sorted((int(f.name) for f in d.iterdir() if f.name.isdigit()), reverse=True)
-    if not batches:
-        return {}
-    out: dict[str, dict] = {}
-    for line in (d / str(batches[0])).read_text().splitlines()[2:]:
-        try:
-            o = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(o, dict):
-            out.update({s: v for s, v in o.items() if isinstance(v, dict) and "inc" in v and "seq" in v})
-    return out
-
-
-def _stream_readers(p: Pipeline) -> dict[str, str]:
-    """Stream -> the vertex reading it (edge partitions and JetStream source streams)."""
-    out = {ep.stream: ep.to_vertex for ep in naming.edge_partitions(p)}
-    for v in p.spec.vertices:
-        if v.source is not None and v.source.jetstream is not None:
-            out[naming.source_stream(p, v.name)] = v.name
-    return out
-
-
-async def detect_loss(nc, p: Pipeline, data_dir: Path) -> list[LostBuffer]:
-    """Every lost buffer of ``p``, judged against the readers' checkpoints (module doc, phase 1)."""
-    from isbflow.connector.fastread import stream_state
-
-    lost = []
-    ckroot = Path(data_dir) / "checkpoints" / p.name
-    for stream, reader in _stream_readers(p).items():
-        st = await stream_state(nc, stream)
-        seen: dict | None = None
-        for ck in sorted(ckroot.glob(f"{reader}*")) if ckroot.is_dir() else []:
-            if ck.name == reader or ck.name.startswith(f"{reader}-to-"):
-                o = _checkpoint_offsets(ck).get(stream)
-                if o is not None and (seen is None or int(o["seq"]) < int(seen["seq"])):
-                    seen = o
-        read_to = int(seen["seq"]) if seen else None
-        if st is None:
-            lost.append(LostBuffer(stream, "the stream no longer exists",
-                                   None if read_to is None else read_to + 1))
-        elif seen is not None and seen["inc"] != st.incarnation:
-            lost.append(LostBuffer(stream, f"the stream was recreated (incarnation {seen['inc']} is gone, "
-                                           f"now {st.incarnation})", read_to + 1))
-        elif read_to is not None and st.first_seq > read_to + 1:
-            lost.append(LostBuffer(stream, "the stream's first sequence moved past the offset not yet read",
-                                   read_to + 1, st.first_seq - 1))
-    return lost
-
-
 # ------------------------------------------------------------------ drain
 
 
@@ -269,7 +202,7 @@ def running_steps(statuses: dict, now: float | None = None) -> list[str]:
     """The steps of ``statuses`` (vertex -> StepStatus or None) that still run: a heartbeat younger
     than :data:`RUNNING_HEARTBEAT_S` in state running or draining. (A runner whose step fails
     reports its other steps ``stopped``; a killed driver's heartbeats go stale.)"""
-    from isbflow.steps.state import Observed
+    from isbflow.isb.state import Observed
 
     return [v for v, s in statuses.items()
             if s is not None and s.age(now) < RUNNING_HEARTBEAT_S and s.state in (Observed.RUNNING, Observed.DRAINING)]
@@ -288,7 +221,7 @@ async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: f
     """
     import asyncio
 
-    from isbflow.steps import state as st
+    from isbflow.isb import state as st
 
     order = [v for v in p.topological_order() if v in steps]
     ended: dict[str, str] = {}
@@ -424,7 +357,7 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
     """
     import asyncio
 
-    from isbflow.steps import state as st
+    from isbflow.isb import state as st
     from isbflow.steps.runner import PipelineRunner, StepError, epoch_file
 
     data_dir = Path(data_dir).absolute()
@@ -452,10 +385,10 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         # 1. detect
         t = time.monotonic()
         if lost:
-            report.lost = [LostBuffer(s, "named by the caller") for s in lost]
+            report.lost = [DetectedLoss(s, "named by the caller") for s in lost]
         else:
             report.lost = run(detect_loss(nc, p, data_dir))
-        known = set(_stream_readers(p))
+        known = set(stream_readers(p))
         unknown = [b.stream for b in report.lost if b.stream not in known]
         if unknown:
             raise RecoveryError(f"recover {p.name}: {', '.join(unknown)} is not a buffer of this pipeline "
@@ -511,7 +444,7 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
             sink_vertices = [v for v in order if p.vertex(v).sink is not None]
             id_sinks, other_sinks, paths = [], {}, {}
             for v in sink_vertices:
-                schema = runner0._input_schema(v)
+                schema = runner0.input_schema(v)
                 paths[v] = runner0.sink_path(p.vertex(v))
                 if ledger.ID_COLUMN in schema.fieldNames():
                     id_sinks.append(v)
@@ -521,8 +454,8 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
             runner0.close()
         kv_ledger = run(ledger.read(nc, p.name))
         held = {v: ledger.union(kv_ledger.get(v, {}), ledger.from_delta_history(paths[v])) for v in id_sinks}
-        from isbflow.connector.dlq import read_dead_letters
-        from isbflow.connector.fastread import stream_state
+        from isbflow.isb.dlq import read_dead_letters
+        from isbflow.isb.read import stream_state
 
         starting: dict[str, dict] = {}
         first: dict[str, int] = {}
@@ -649,7 +582,7 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
     :class:`~isbflow.steps.runner.StepError` here, as the available-now run would."""
     import threading
 
-    from isbflow.steps import state as st
+    from isbflow.isb import state as st
 
     result: dict[str, Any] = {}
 
@@ -695,7 +628,7 @@ def _recompute_aggregates(spark, runner, sinks: list[str], data_dir: Path) -> tu
     """After the replay: every window of each aggregate sink (fed by a ``udf.output: update`` step)
     recomputed from its raw sink, one commit per sink (module docstring). Returns
     ({sink: windows written}, {sink: why it could not be recomputed})."""
-    from isbflow.sinks.aggregates import AggregateError, recompute_windows, update_step_of
+    from isbflow.recovery.aggregates import AggregateError, recompute_windows, update_step_of
 
     done: dict[str, int] = {}
     failed: dict[str, str] = {}

@@ -41,7 +41,7 @@ logged, timed and published in the pipeline's status bucket (key
    windows in one commit (:func:`isbflow.sinks.delta.replace_keys` on the
    sink's keys: a window key no record makes any more is deleted). A sink fed
    by a ``udf.output: update`` step is recomputed by
-   :func:`isbflow.sinks.aggregates.recompute`, the code recovery uses too;
+   :func:`isbflow.recovery.aggregates.recompute`, the code recovery uses too;
    its ``recompute_windows`` upserts and keeps vanished keys, so the writing
    stays here.
 5. **verify**: per raw sink, no duplicate ``_isb_id``, the range holds exactly
@@ -72,9 +72,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from isbflow.isb import naming
+from isbflow.isb import ledger, naming
 from isbflow.isb.connect import NatsSettings, connect
-from isbflow.recovery import ledger
 from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, Phase, _descendants, _Phases
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
@@ -335,7 +334,7 @@ class _AggPlan:
     raw: str
     steps: list[str]
     keys: list[str]
-    update: bool  # fed by a udf.output: update step (isbflow.sinks.aggregates recomputes it)
+    update: bool  # fed by a udf.output: update step (isbflow.recovery.aggregates recomputes it)
     old_windows: pa.Table | None = None  # window_start/window_end the old rows of the range fall in
 
 
@@ -379,9 +378,9 @@ def _plan_offsets(sources: dict[str, _Source], lo_map: dict[str, int], hi_map: d
 
 async def _check_in_flight(nc, p: Pipeline, region: set[str], rng: ledger.PartitionRanges) -> None:
     """Refuse when an unconsumed frame of a region buffer carries an id of the range."""
-    from isbflow.connector.fastread import read_range, stream_state
     from isbflow.isb import frames
-    from isbflow.steps import state as st
+    from isbflow.isb import state as st
+    from isbflow.isb.read import read_range, stream_state
 
     for ep in naming.edge_partitions(p):
         if ep.from_vertex not in region:
@@ -491,7 +490,7 @@ def _apply_steps(runner, steps: list[str], df):
     from isbflow.steps.runner import ERROR_COLUMN
 
     for s in steps:
-        df = runner._apply(s, df).drop(ERROR_COLUMN, "_isb_raw")
+        df = runner.apply_transform(s, df).drop(ERROR_COLUMN, "_isb_raw")
     return df
 
 
@@ -515,7 +514,7 @@ def _recomputed(spark, runner, plan: _AggPlan, windows: pa.Table, time_columns: 
     """The aggregate rows of ``windows`` recomputed from the raw sink's current version, in batch.
 
     A sink fed by a ``udf.output: update`` step goes through
-    :func:`isbflow.sinks.aggregates.recompute` (every raw row through the
+    :func:`isbflow.recovery.aggregates.recompute` (every raw row through the
     chain); any other through the same chain here, reading only the raw rows
     inside ``[min window_start, max window_end)`` when the raw sink has the
     source's event-time column (the windows are taken to be over it).
@@ -524,7 +523,7 @@ def _recomputed(spark, runner, plan: _AggPlan, windows: pa.Table, time_columns: 
 
     touched = spark.createDataFrame(windows.select(["window_start"]))
     if plan.update:
-        from isbflow.sinks.aggregates import recompute
+        from isbflow.recovery.aggregates import recompute
 
         df, _, _ = recompute(spark, runner, plan.sink, runner.data_dir, None, raw_sink=plan.raw)
     else:
@@ -534,7 +533,7 @@ def _recomputed(spark, runner, plan: _AggPlan, windows: pa.Table, time_columns: 
             lo, hi = pc.min(windows.column("window_start")).as_py(), pc.max(windows.column("window_end")).as_py()
             raw = raw.filter((F.col(tcol) >= F.lit(lo)) & (F.col(tcol) < F.lit(hi)))
         df = _apply_steps(runner, plan.steps, raw)
-    names = [f.name for f in runner._input_schema(plan.sink).fields if f.name in df.columns]
+    names = [f.name for f in runner.input_schema(plan.sink).fields if f.name in df.columns]
     return df.join(F.broadcast(touched), "window_start", "left_semi").select(*names)
 
 
@@ -562,8 +561,8 @@ class _Run:
 
     # 1. plan
     def plan(self, lo_map: dict[str, int], hi_map: dict[str, int], by_time: bool, time_column: str | None) -> None:
-        from isbflow.connector.fastread import stream_state
-        from isbflow.steps import state as st
+        from isbflow.isb import state as st
+        from isbflow.isb.read import stream_state
 
         t = time.monotonic()
         p, partitions = self.p, source_partitions(self.p)
@@ -588,7 +587,7 @@ class _Run:
         self.region = _descendants(p, {s.vertex for s in self.sources.values()})
         self.report.region = [v for v in p.topological_order() if v in self.region]
         sinks = [v for v in self.report.region if p.vertex(v).sink is not None]
-        self.raw_sinks = [v for v in sinks if ledger.ID_COLUMN in self.runner._input_schema(v).fieldNames()]
+        self.raw_sinks = [v for v in sinks if ledger.ID_COLUMN in self.runner.input_schema(v).fieldNames()]
         for a in (v for v in sinks if v not in self.raw_sinks):
             plan = _agg_plan(self.runner, a, self.raw_sinks)
             if isinstance(plan, str):
@@ -621,7 +620,7 @@ class _Run:
                       .option("streams", s.stream).option("mode", "events").option("sourceName", s.vertex)
                       .option("startingOffsets", json.dumps({s.stream: {"seq": lo - 1}}))
                       .option("endingOffsets", json.dumps({s.stream: {"seq": hi}})).load())
-            parsed = self._cache(self.runner._apply(s.vertex, events))
+            parsed = self._cache(self.runner.apply_transform(s.vertex, events))
             n = parsed.count()
             r.records_scanned += n
             good = parsed.filter(F.col(ERROR_COLUMN).isNull()).drop(ERROR_COLUMN, "_isb_raw")
@@ -695,7 +694,7 @@ class _Run:
                 for d in ins:
                     df = d if df is None else df.unionByName(d)
                 if df is not None and vx.sink is None:
-                    df = self.runner._apply(v, df).drop(ERROR_COLUMN, "_isb_raw")
+                    df = self.runner.apply_transform(v, df).drop(ERROR_COLUMN, "_isb_raw")
             self.outs[v] = df
         return self.outs[v]
 
@@ -723,7 +722,7 @@ class _Run:
         res = SinkReplace(v, "raw", path)
         df = self.output(v)
         if df is None:
-            df = self.spark.createDataFrame([], self.runner._input_schema(v))
+            df = self.spark.createDataFrame([], self.runner.input_schema(v))
         rows = df.toArrow()
         rows = rows.cast(delta_arrow_schema(rows.schema))
         outside = int((~in_ranges(rows.column(ledger.ID_COLUMN), rng)).sum())

@@ -20,10 +20,10 @@ Contract (exactly once per micro-batch and app id):
 
 Offsets: when the rows carry ``_isb_id``, each task also returns, per source
 partition, the ranges of source sequences it wrote
-(:func:`isbflow.recovery.ledger.id_ranges`); the commit records their union in
+(:func:`isbflow.isb.ledger.id_ranges`); the commit records their union in
 the commit's custom metadata ``isb.offsets`` and, with the options
 ``pipeline``, ``sink`` and ``settings``, in the pipeline's offset ledger (KV),
-after the Delta commit (see :mod:`isbflow.recovery.ledger`).
+after the Delta commit (see :mod:`isbflow.isb.ledger`).
 
 ``mode=merge`` (recovery runs): the batch's rows are inserted only where the
 table lacks their ``mergeKey`` (default ``_isb_id``; a comma list for a
@@ -32,7 +32,7 @@ transaction; the batch's Parquet files are then removed. It funnels the batch
 through the driver: meant for replays, not for the steady stream. **Ledger fast
 path**: with the key ``_isb_id``, when every row's id names a distinct source
 offset and none of those offsets is in the ranges the table's commits record
-(``isb.offsets``, :func:`isbflow.recovery.ledger.from_delta_history`), no row
+(``isb.offsets``, :func:`isbflow.isb.ledger.from_delta_history`), no row
 of the batch can be in the table (a committed row's offset is always in its
 commit's ranges): the batch's files are committed as they are, like ``append``
 (no read-back, no join with the table). A recovery's replay above what the sink
@@ -434,7 +434,7 @@ def write_batch_files(
     One file per partition value, rows buffered into ``row_group_rows`` row
     groups. On error the files written so far are removed before re-raising.
     """
-    from isbflow.recovery import ledger
+    from isbflow.isb import ledger
 
     tag = _app_tag(options.app_id)
     files: dict[tuple, _PartitionFile] = {}
@@ -541,7 +541,7 @@ def commit_batch(
     batch_id: int,
 ) -> BatchCommit:
     """Commit one micro-batch's files in one Delta transaction, at most once per app id."""
-    from isbflow.recovery import ledger
+    from isbflow.isb import ledger
 
     msgs = [m for m in messages if m is not None]
     actions = [a for m in msgs for a in m.actions]
@@ -630,7 +630,7 @@ def commit_batch(
 def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, offsets: dict, rows: int) -> bool:
     """Merge mode, key ``_isb_id``: the batch's rows name ``rows`` distinct source offsets, none of
     which the table's commits record: none of them can be in the table."""
-    from isbflow.recovery import ledger
+    from isbflow.isb import ledger
 
     if options.merge_key != (ledger.ID_COLUMN,) or options.version_column or table is None or not rows:
         return False
@@ -663,8 +663,8 @@ def _record_offsets(options: DeltaSinkOptions, offsets: dict, where: str) -> Non
     """
     if not offsets or not options.ledger_settings:
         return
-    from isbflow.connector.options import settings_from_json
-    from isbflow.recovery import ledger
+    from isbflow.isb import ledger
+    from isbflow.isb.connect import settings_from_json
 
     try:
         ledger.record_sync(settings_from_json(options.ledger_settings), options.ledger_pipeline,

@@ -430,7 +430,7 @@ class Expectation(_Model):
 
     The name must be one of GX's registered expectations and the argument
     names known and complete (checked against the catalog of
-    :mod:`isbflow.quality.expectations`, without importing GX); values are
+    :mod:`isbflow.spec.expectations`, without importing GX); values are
     checked by constructing the GX expectation (``isbflow quality check`` and
     every quality run).
     """
@@ -441,7 +441,7 @@ class Expectation(_Model):
     @field_validator("expectation")
     @classmethod
     def _known(cls, v: str) -> str:
-        from isbflow.quality.expectations import catalog_problems
+        from isbflow.spec.expectations import catalog_problems
 
         problems = [m for f, m in catalog_problems(v, {}) if f == "expectation"]
         if problems:
@@ -451,7 +451,7 @@ class Expectation(_Model):
     @field_validator("kwargs")
     @classmethod
     def _arguments(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from isbflow.quality.expectations import catalog_problems
+        from isbflow.spec.expectations import catalog_problems
 
         name = info.data.get("expectation")
         if isinstance(name, str):  # an unknown name was reported on its own field
@@ -575,6 +575,25 @@ class Pipeline(_Model):
 
     def outputs(self, name: str) -> list[Edge]:
         return [e for e in self.spec.edges if e.from_ == name]
+
+    def ancestors(self, name: str) -> set[str]:
+        """Every vertex with a path to ``name`` (not ``name`` itself, unless on a cycle)."""
+        return self._reach(name, lambda n: [e.from_ for e in self.inputs(n)])
+
+    def descendants(self, name: str) -> set[str]:
+        """Every vertex reachable from ``name`` (not ``name`` itself, unless on a cycle)."""
+        return self._reach(name, lambda n: [e.to for e in self.outputs(n)])
+
+    @staticmethod
+    def _reach(name: str, step) -> set[str]:
+        seen: set[str] = set()
+        todo = [name]
+        while todo:
+            for n in step(todo.pop()):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return seen
 
     def topological_order(self) -> list[str]:
         """Vertex names, every vertex after all its inputs (the spec has no cycle)."""

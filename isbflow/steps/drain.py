@@ -18,8 +18,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from isbflow.isb.state import Desired, Observed, StepStatus, get_status, set_desired
 from isbflow.spec.models import Pipeline
-from isbflow.steps.state import Desired, Observed, StepStatus, get_status, set_desired
 
 
 class DrainTimeout(Exception):

@@ -4,7 +4,7 @@ The lag of a buffer (an edge partition stream, or a JetStream source stream)
 is how many of its messages its reading step has not committed downstream
 yet: the stream's last sequence minus the step's committed sequence
 (``committed.<vertex>.<stream>`` in the status bucket, see
-:mod:`isbflow.steps.state`). Unlike the heartbeat's ``lag``, it holds whether
+:mod:`isbflow.isb.state`). Unlike the heartbeat's ``lag``, it holds whether
 or not the step runs, so "has the pipeline caught up?" has an answer after a
 batch run or a drain too. A buffer that does not exist counts as lag 0 with
 ``missing: true`` (loss is the watchdog's business, not the lag's).
@@ -48,8 +48,8 @@ def buffers(p: Pipeline, sources: bool = True) -> dict[str, str]:
 
 async def pipeline_lag(nc, p: Pipeline, sources: bool = True) -> list[BufferLag]:
     """The lag of every buffer of ``p`` (module docstring), in stream-name order."""
-    from isbflow.connector.fastread import stream_state
-    from isbflow.steps.state import get_committed
+    from isbflow.isb.read import stream_state
+    from isbflow.isb.state import get_committed
 
     out = []
     for stream, reader in sorted(buffers(p, sources).items()):

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from isbflow.isb.connect import NatsSettings
-from isbflow.steps.state import Observed, StepStatus
+from isbflow.isb.state import Observed, StepStatus
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
 async def read_statuses(settings: NatsSettings, pipeline: str, vertices: list[str]) -> dict[str, StepStatus | None]:
     """Every step's heartbeat (one connection)."""
     from isbflow.isb.connect import connect
-    from isbflow.steps.state import all_status
+    from isbflow.isb.state import all_status
 
     nc = await connect(settings, name="isbflow-launch")
     try:
@@ -442,7 +442,7 @@ async def observe_state(nc: Any, pipeline: str, vertices: list[str], target: str
                         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
                         startup_grace: float = DEFAULT_STARTUP_GRACE) -> StateCheck:
     """Read the steps' heartbeats over the client ``nc`` and :func:`judge_state` them."""
-    from isbflow.steps.state import all_status
+    from isbflow.isb.state import all_status
 
     alive = launch.alive() if launch is not None else None
     statuses = await all_status(nc, pipeline, vertices)

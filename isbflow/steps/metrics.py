@@ -62,7 +62,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from isbflow.connector.options import DEFAULT_FRAME_ROWS
 from isbflow.isb import naming
-from isbflow.steps.state import Observed
+from isbflow.isb.state import Observed
 
 if TYPE_CHECKING:
     from isbflow.spec.models import Pipeline

@@ -40,7 +40,7 @@ buffers up to it, and writes the step's heartbeat. Triggers:
 Relative sink paths and checkpoints live under the data dir.
 
 Sinks record the source offsets they commit in the offset ledger
-(:mod:`isbflow.recovery.ledger`). For recovery (:mod:`isbflow.recovery.recover`)
+(:mod:`isbflow.isb.ledger`). For recovery (:mod:`isbflow.recovery.recover`)
 the runner takes ``starting_offsets`` (vertex -> the reader's ``startingOffsets``
 JSON, used by a query without a checkpoint) and ``sink_mode`` (``merge``:
 sinks insert only rows whose key they lack; ``merge_keys`` names the key of a
@@ -53,7 +53,6 @@ batches the table already holds.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -64,13 +63,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isbflow.connector.options import settings_to_json
-from isbflow.connector.release import release
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect
-from isbflow.spec import Specs
+from isbflow.isb import state as st
+from isbflow.isb.connect import NatsSettings, connect, settings_to_json
+from isbflow.isb.release import release
+from isbflow.spec import Specs, transforms
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
-from isbflow.steps import state as st
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +140,11 @@ def register_sources(spark) -> None:
 
 
 def load_transform(entry: str) -> Callable:
-    module, _, func = entry.partition(":")
+    """The vertex's transform; a :class:`StepError` when the entry names no importable callable."""
     try:
-        return getattr(importlib.import_module(module), func)
-    except (ImportError, AttributeError) as e:
-        raise StepError(f"cannot load transform {entry!r}: {e}") from None
+        return transforms.load_transform(entry)
+    except transforms.TransformError as e:
+        raise StepError(str(e)) from None
 
 
 @dataclass
@@ -168,7 +166,7 @@ class RunningQuery:
 #: (the batch re-runs; frame ids and the sink's app transaction make that
 #: exactly-once; the new read consumer is placed anew), a few times.
 TRANSIENT_FAILURES = ("Python worker failed to connect back",
-                      # isbflow.connector.fastread: the ISB service slow or failing over
+                      # isbflow.isb.read: the ISB service slow or failing over
                       "s while reading sequences", "did not answer STREAM.INFO", "cannot create a read consumer")
 MAX_RESTARTS = 5
 #: seconds to wait before restart n (n x this, at most RESTART_BACKOFF_MAX_S): the Python
@@ -259,7 +257,7 @@ class PipelineRunner:
     def output_schema(self, vertex: str):
         """The schema a vertex writes to its output edges (transforms applied to an empty frame)."""
         if vertex not in self._schemas:
-            df = self._apply(vertex, self._empty_input(vertex))
+            df = self.apply_transform(vertex, self._empty_input(vertex))
             self._schemas[vertex] = df.drop(ERROR_COLUMN, "_isb_raw").schema
         return self._schemas[vertex]
 
@@ -273,7 +271,7 @@ class PipelineRunner:
             schema = EVENTS_SCHEMA if v.source.jetstream else StructType(
                 [StructField("value", StringType()), StructField("_isb_id", StringType())])
             return self.spark.createDataFrame([], schema)
-        return self.spark.createDataFrame([], self._input_schema(vertex))
+        return self.spark.createDataFrame([], self.input_schema(vertex))
 
     def update_keys(self, vertex: str) -> list[str] | None:
         """The ``udf.keys`` of a step with ``udf.output: update``; None for every other vertex."""
@@ -299,7 +297,7 @@ class PipelineRunner:
             schema = StructType([*schema.fields, StructField(VERSION_COLUMN, LongType())])
         return schema
 
-    def _input_schema(self, vertex: str):
+    def input_schema(self, vertex: str):
         schemas = {e.from_: self._wire_schema(e.from_) for e in self.p.inputs(vertex)}
         first = next(iter(schemas.values()))
         for up, s in schemas.items():
@@ -317,7 +315,7 @@ class PipelineRunner:
             refs[r.name.replace("-", "_")] = F.broadcast(df)
         return refs
 
-    def _apply(self, vertex: str, df):
+    def apply_transform(self, vertex: str, df):
         """What a vertex does to its input DataFrame (source parse, user transform, or nothing)."""
         from pyspark.sql import functions as F
         from pyspark.sql.types import StringType, StructField, StructType
@@ -362,7 +360,7 @@ class PipelineRunner:
             r = r.option("startingOffsets", json.dumps(self.starting_offsets[vertex]))
         if v.source:
             return r.option("mode", "events").option("sourceName", vertex).load()
-        return r.option("mode", "frames").schema(self._input_schema(vertex)).load()
+        return r.option("mode", "frames").schema(self.input_schema(vertex)).load()
 
     def _start(self, vertex: str, available_now: bool) -> StepRun:
         from pyspark.sql import functions as F
@@ -371,7 +369,7 @@ class PipelineRunner:
         run = StepRun(vertex)
         # Spark looks data sources up through the calling thread's active session
         self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
-        df = self._apply(vertex, self._read(vertex))
+        df = self.apply_transform(vertex, self._read(vertex))
         inputs = self.input_streams(vertex)
         keys = self.update_keys(vertex)
         if keys:
@@ -509,7 +507,7 @@ class PipelineRunner:
         return total
 
     def _lag(self, run: StepRun, committed: dict[str, int]) -> dict[str, int]:
-        from isbflow.connector.fastread import stream_state
+        from isbflow.isb.read import stream_state
 
         lag = {}
         for s in run.queries[0].inputs if run.queries else []:
@@ -632,7 +630,7 @@ class PipelineRunner:
 
     def _follow_control(self, run: StepRun) -> None:
         """Drain: freeze the end offsets, wait for them to be committed, then stop."""
-        from isbflow.connector.fastread import stream_state
+        from isbflow.isb.read import stream_state
 
         status = run.status
         assert status is not None

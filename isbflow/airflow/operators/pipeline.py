@@ -126,7 +126,7 @@ def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provis
         raise AirflowFailException(str(e)) from None
 
 
-class _PipelineOperator(BaseOperator):
+class PipelineOperatorBase(BaseOperator):
     """Parameters every pipeline task shares (see the module docstring)."""
 
     template_fields: Sequence[str] = ("pipeline_file", "pipelines_dir", "pipeline", "nats_conn_id", "data_dir")
@@ -149,10 +149,10 @@ class _PipelineOperator(BaseOperator):
         return Path(self.pipelines_dir or Path.cwd()) / REFERENCE_DIR
 
 
-class _RunsDriver(_PipelineOperator):
+class _RunsDriver(PipelineOperatorBase):
     """Tasks that run the pipeline's driver: where it runs and with what master."""
 
-    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "master", "workdir", "provision")
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "master", "workdir", "provision")
 
     def __init__(self, *, master: str = "local[2]", workdir: str | None = None, provision: bool | str = True,
                  **kwargs: Any) -> None:
@@ -219,7 +219,7 @@ class PipelineStartOperator(_RunsDriver):
         return record.to_json()
 
 
-class PipelineDrainOperator(_PipelineOperator):
+class PipelineDrainOperator(PipelineOperatorBase):
     """Drain every step (upstream first) and wait for the driver to exit; XCom: final offsets.
 
     :param drain_timeout: seconds the whole drain may take; on timeout the task fails naming
@@ -227,7 +227,7 @@ class PipelineDrainOperator(_PipelineOperator):
     :param exit_timeout: seconds to wait for the launched driver to exit after the drain.
     """
 
-    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "drain_timeout")
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "drain_timeout")
     ui_color = "#f0e0c7"
 
     def __init__(self, *, drain_timeout: float | str = 300.0, exit_timeout: float = 120.0,

@@ -30,7 +30,7 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.assets import sinks_from_events
-from isbflow.airflow.operators.pipeline import PipelineTarget, _PipelineOperator, resolve_target
+from isbflow.airflow.operators.pipeline import PipelineOperatorBase, PipelineTarget, resolve_target
 
 
 def _as_list(value: Any) -> list[str] | None:
@@ -61,7 +61,7 @@ def sink_summary(report: Any, data_dir: Path) -> dict[str, Any]:
     }
 
 
-class PipelineQualityOperator(_PipelineOperator):
+class PipelineQualityOperator(PipelineOperatorBase):
     """Run the quality checks of a pipeline's sinks and gate on them (module docstring).
 
     :param sinks: sink vertices to check (list or comma string; default all). Ignored when the run
@@ -70,7 +70,7 @@ class PipelineQualityOperator(_PipelineOperator):
     :param master: Spark master of the checks' session.
     """
 
-    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "sinks", "master")
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "sinks", "master")
     ui_color = "#e8f0c7"
 
     def __init__(self, *, sinks: list[str] | str | None = None, follow_assets: bool = True,

@@ -37,7 +37,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.assets import emit_sink_events, sinks_alias
 from isbflow.airflow.operators.isb import as_bool
-from isbflow.airflow.operators.pipeline import PipelineTarget, _PipelineOperator
+from isbflow.airflow.operators.pipeline import PipelineOperatorBase, PipelineTarget
 
 MODES = ("recover", "reprocess")
 _EMPTY = ("", "none", "null")
@@ -115,7 +115,7 @@ def parse_range(from_offset: Any, to_offset: Any, from_time: Any, to_time: Any,
     return ReplayRange(lo, hi, tlo, thi)
 
 
-class PipelineReplayOperator(_PipelineOperator):
+class PipelineReplayOperator(PipelineOperatorBase):
     """Replay a pipeline (module docstring); XCom: the report (or the dry run's plan).
 
     :param mode: ``recover`` or ``reprocess``.
@@ -128,7 +128,7 @@ class PipelineReplayOperator(_PipelineOperator):
     :param drain_timeout: recover: seconds the drain of still-running steps may take.
     """
 
-    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "mode", "from_offset", "to_offset",
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "mode", "from_offset", "to_offset",
                                       "from_time", "to_time", "dry_run", "master")
     ui_color = "#f0c7d4"
 

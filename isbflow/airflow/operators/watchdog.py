@@ -1,6 +1,6 @@
 """``PipelineWatchdogOperator``: one look at a pipeline; fail loudly, or start a recovery.
 
-It runs :func:`isbflow.steps.watchdog.watch` (stale heartbeats, a driver that
+It runs :func:`isbflow.recovery.watchdog.watch` (stale heartbeats, a driver that
 exited, failed steps, lag growing run after run, buffer loss) and then:
 
 - nothing wrong (or no step running): succeeds, logging a one-line summary;
@@ -14,7 +14,7 @@ exited, failed steps, lag growing run after run, buffer loss) and then:
 - problems otherwise: fails (no retries) with a message naming each problem:
   the step and its heartbeat's age, the lag trend, the lost stream and range.
 
-XCom ``return_value``: the :class:`~isbflow.steps.watchdog.WatchReport` JSON
+XCom ``return_value``: the :class:`~isbflow.recovery.watchdog.WatchReport` JSON
 plus ``action`` (``none``, ``recover``, ``recovery-running`` or ``fail``); it is
 written before the task fails too.
 """
@@ -28,12 +28,12 @@ from typing import Any
 from airflow.providers.standard.operators.branch import BranchMixIn
 from airflow.sdk.exceptions import AirflowFailException
 
-from isbflow.airflow.operators.pipeline import _PipelineOperator
+from isbflow.airflow.operators.pipeline import PipelineOperatorBase
+from isbflow.recovery.watchdog import DEFAULT_LAG_GROWTH_RUNS
 from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE
-from isbflow.steps.watchdog import DEFAULT_LAG_GROWTH_RUNS
 
 
-class PipelineWatchdogOperator(_PipelineOperator, BranchMixIn):
+class PipelineWatchdogOperator(PipelineOperatorBase, BranchMixIn):
     """Watch one pipeline (module docstring).
 
     :param heartbeat_timeout: seconds after which a live step's heartbeat is stale.
@@ -43,7 +43,7 @@ class PipelineWatchdogOperator(_PipelineOperator, BranchMixIn):
         spec has ``autoRecover: true`` and something is wrong; skipped otherwise).
     """
 
-    template_fields: Sequence[str] = (*_PipelineOperator.template_fields, "heartbeat_timeout",
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "heartbeat_timeout",
                                       "startup_grace", "lag_growth_runs")
     ui_color = "#f0d8c7"
     inherits_from_skipmixin = True  # like BaseBranchOperator: it may skip its downstream task
@@ -60,8 +60,8 @@ class PipelineWatchdogOperator(_PipelineOperator, BranchMixIn):
 
     def execute(self, context: Any) -> dict:
         from isbflow.isb.connect import IsbUnreachable
+        from isbflow.recovery.watchdog import watch
         from isbflow.steps.launch import read_launch
-        from isbflow.steps.watchdog import watch
 
         t = self.target()
         p = t.pipeline

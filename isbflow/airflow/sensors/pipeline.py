@@ -36,7 +36,7 @@ class PipelineStateSensor(BaseSensorOperator):
 
     :param pipeline_file: spec file; a relative name is looked up under ``pipelines_dir``.
     :param pipeline: the pipeline, when the file holds several.
-    :param target_state: ``running``, ``draining``, ``drained``, ... (:class:`isbflow.steps.state.Observed`).
+    :param target_state: ``running``, ``draining``, ``drained``, ... (:class:`isbflow.isb.state.Observed`).
     :param watch_launch: judge only heartbeats of the recorded launch and fail when its driver dies.
     :param heartbeat_timeout: seconds of silence after which a running driver counts as stalled.
     :param startup_grace: seconds a launch may take before its first heartbeat.

@@ -31,7 +31,7 @@ class PipelineStateTrigger(BaseTrigger):
 
     :param spec_file: absolute path of the spec file.
     :param pipeline: the pipeline's name.
-    :param target_state: a :class:`isbflow.steps.state.Observed` value, e.g. ``running``.
+    :param target_state: a :class:`isbflow.isb.state.Observed` value, e.g. ``running``.
     :param nats_conn_id: Airflow connection of the ISB service.
     :param data_dir: isbflow's data dir (the hook's fallback to the embedded server).
     :param launch: the launch record (``LaunchRecord.to_json()``) whose heartbeats count, or None.

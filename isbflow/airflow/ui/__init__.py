@@ -8,3 +8,6 @@
   (specs, NATS status, DAG runs, quality reports), :mod:`~isbflow.airflow.ui.models` its shape;
 - :mod:`~isbflow.airflow.ui.render`: Jinja templates and the SVG rate chart.
 """
+
+#: Where the api-server mounts the app (the plugin and the app both read it).
+URL_PREFIX = "/isbflow"

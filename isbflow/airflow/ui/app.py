@@ -36,10 +36,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from isbflow.airflow.pipelines import pipeline_files, pipelines_dir
-from isbflow.airflow.ui import collect, render
+from isbflow.airflow.ui import URL_PREFIX, collect, render
 from isbflow.airflow.ui.auth import NotAuthenticated, login_url, require_user
 from isbflow.airflow.ui.models import PipelinesResponse, QualityResponse
-from isbflow.airflow.ui.plugin import URL_PREFIX
 from isbflow.airflow.ui.runs import DRAIN_DAG, REPLAY_DAG, latest_for, latest_runs
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from isbflow.airflow.ui.models import (
     StepView,
 )
 from isbflow.isb import naming
+from isbflow.isb import state as st
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.models import Pipeline
-from isbflow.steps import state as st
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ async def read_status(nc: Any, view: PipelineView, p: Pipeline, stale_after: flo
     """Fill ``view`` with what the pipeline's status and control buckets and DLQ stream hold."""
     from nats.js.errors import BucketNotFoundError
 
-    from isbflow.connector.fastread import stream_state
+    from isbflow.isb.read import stream_state
 
     order = p.topological_order()
     try:

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-URL_PREFIX = "/isbflow"
+from isbflow.airflow.ui import URL_PREFIX
 
 
 def external_views(url_prefix: str = URL_PREFIX) -> list[dict[str, str]]:

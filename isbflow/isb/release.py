@@ -21,7 +21,7 @@ per edge-partition stream, one durable consumer standing for the downstream
 reader, :func:`interest_hold_consumer`: a pull consumer that nobody pulls from,
 so it never acknowledges anything and every message stays until
 :func:`release` purges it. (The reader itself never uses a consumer; it reads
-with direct gets, see :mod:`isbflow.connector.fastread`.)
+with direct gets, see :mod:`isbflow.isb.read`.)
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ReplayPolicy
 
-from isbflow.connector.errors import BufferReadError
-from isbflow.connector.fastread import API, stream_state
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.errors import BufferReadError
+from isbflow.isb.read import API, stream_state
 
 if TYPE_CHECKING:
     import nats.aio.client

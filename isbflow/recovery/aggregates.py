@@ -8,7 +8,7 @@ overwrite the complete window with a partial count. :func:`recompute_windows`
 is the exact alternative. It
 
 1. finds the raw sink sharing the aggregate's upstream
-   (:func:`isbflow.quality.run.find_raw_sink`, or ``raw_sink=``) and the chain
+   (:func:`isbflow.sinks.tables.find_raw_sink`, or ``raw_sink=``) and the chain
    of steps from the raw sink's upstream vertex to the aggregate step (the demo:
    just ``minutely``);
 2. reads the raw sink's current version with Spark and runs that chain's
@@ -44,8 +44,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from isbflow.recovery.ledger import ID_COLUMN
+from isbflow.isb.ledger import ID_COLUMN
+from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
 from isbflow.spec.models import OutputMode, Pipeline
+from isbflow.spec.transforms import load_transform
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +138,11 @@ def _runner_and_pipeline(runner_or_pipeline: Any) -> tuple[Any, Pipeline]:
 
 def _apply_chain(runner, p: Pipeline, chain: list[str], df):
     """The chain's transforms in batch, references from the runner (a Pipeline alone has none)."""
-    from isbflow.steps.runner import load_transform
-
     for name in chain:
         v = p.vertex(name)
         assert v.udf is not None
         if runner is not None:
-            df = runner._apply(name, df)
+            df = runner.apply_transform(name, df)
             continue
         if v.udf.references:
             raise AggregateError(f"step {name!r} reads reference tables "
@@ -160,8 +160,6 @@ def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
     Nothing is written; :func:`recompute_windows` writes. See the module docstring for the filter.
     """
     from pyspark.sql import functions as F
-
-    from isbflow.quality.run import QualityError, find_raw_sink, read_version, sink_table_path
 
     runner, p = _runner_and_pipeline(runner_or_pipeline)
     step, keys = update_step_of(p, sink)
@@ -183,7 +181,7 @@ def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
         raise errors[-1]
     try:
         raw, raw_version, _ = read_version(spark, sink_table_path(p, raw_name, data_dir))
-    except QualityError as e:
+    except SinkTableError as e:
         raise AggregateError(f"sink {sink!r}: {e}") from None
     if runner is not None:  # the raw rows as the upstream step wrote them (drop table-only columns)
         raw = raw.select(*runner.output_schema(start).fieldNames())
@@ -219,7 +217,6 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
     from deltalake import CommitProperties, DeltaTable, write_deltalake
     from deltalake.exceptions import TableNotFoundError
 
-    from isbflow.quality.run import sink_table_path
     from isbflow.sinks.delta import _check_schema, delta_arrow_schema, merge_upsert
 
     _, p = _runner_and_pipeline(runner_or_pipeline)

@@ -15,7 +15,7 @@ nothing is judged. For a watched pipeline the findings are:
 - ``step-failed``: a step reports ``failed`` (with its error);
 - ``lag-growing``: a running step's lag (messages behind, summed over its
   inputs) grew at each of the last ``lag_growth_runs`` watchdog runs;
-- ``buffer-lost``: :func:`isbflow.recovery.recover.detect_loss` finds a
+- ``buffer-lost``: :func:`isbflow.isb.loss.detect_loss` finds a
   stream missing, recreated, or trimmed past what its reader has read.
 
 The lag trend needs the previous runs: each run keeps, in the pipeline's
@@ -44,10 +44,10 @@ from typing import Any
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.state import Observed, StepStatus
 from isbflow.recovery.status import is_running
 from isbflow.spec.models import Pipeline
 from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE, LaunchRecord
-from isbflow.steps.state import Observed, StepStatus
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def judge(pipeline: str, statuses: dict[str, StepStatus | None], now: float, *,
           heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, startup_grace: float = DEFAULT_STARTUP_GRACE,
           lag_growth_runs: int = DEFAULT_LAG_GROWTH_RUNS) -> WatchReport:
     """Judge one look at a pipeline (no I/O). ``history``: each step's previous lag samples, oldest
-    first, *including* this run's; ``lost``: :class:`~isbflow.recovery.recover.LostBuffer` items."""
+    first, *including* this run's; ``lost``: :class:`~isbflow.recovery.recover.DetectedLoss` items."""
     report = WatchReport(pipeline, at=now)
     for v, s in statuses.items():
         if s is not None:
@@ -195,8 +195,8 @@ async def watch(settings: NatsSettings, p: Pipeline, data_dir: str | Path, *,
     """
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
-    from isbflow.recovery.recover import detect_loss
-    from isbflow.steps.state import all_status
+    from isbflow.isb.loss import detect_loss
+    from isbflow.isb.state import all_status
 
     alive = launch.alive() if launch is not None else None  # before the heartbeats are read
     nc = await connect(settings, name=f"isbflow-watchdog-{p.name}")

@@ -720,7 +720,7 @@ async def source_last_seq(settings: NatsSettings, p: Pipeline) -> int:
 
     from isbflow.isb import naming
     from isbflow.isb.connect import connect
-    from isbflow.produce import source_vertex
+    from isbflow.ops.produce import source_vertex
 
     nc = await connect(settings, name="isbflow-platform")
     try:
@@ -759,7 +759,7 @@ def wait_pipeline(state: PlatformState, target: str = "running", timeout: float 
     ``timeout`` or when a step failed or the driver died: ``problem`` says which).
     """
     from isbflow.isb.connect import connect
-    from isbflow.steps.state import all_status
+    from isbflow.isb.state import all_status
 
     if state.pipeline is None:
         raise PlatformError("the platform runs no pipeline")
@@ -1011,8 +1011,8 @@ def pipeline_status(state: PlatformState) -> dict | None:
     """The platform pipeline's launch, each step's heartbeat and its source stream's size (None: no pipeline)."""
     from isbflow.isb import naming
     from isbflow.isb.connect import connect
-    from isbflow.produce import source_vertex
-    from isbflow.steps.state import all_status
+    from isbflow.isb.state import all_status
+    from isbflow.ops.produce import source_vertex
 
     if state.pipeline is None:
         return None

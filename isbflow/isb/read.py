@@ -5,7 +5,7 @@ sequences ``first..last`` in sequence order, in lists (one per chunk), each
 message once, and never remove anything from the stream, so reading the same
 range twice returns the same messages. A
 sequence inside the range that the stream no longer holds is a *gap*: by
-default :class:`~isbflow.connector.errors.BufferLost` naming the range; with
+default :class:`~isbflow.isb.errors.BufferLost` naming the range; with
 ``on_gap`` the gap is reported to that callback and skipped.
 :func:`read_partition` adds the incarnation check around it (stream still the
 one the offsets were taken from, before and after the read).
@@ -41,8 +41,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from isbflow.connector.errors import BufferLost, BufferReadError
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.errors import BufferLost, BufferReadError
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -229,7 +229,7 @@ async def consume_range(
     About 2-3x faster than direct get for small messages here (no per-message
     headers to parse: sequence and time come from the reply subject), but a
     consumer: never on a ``WorkQueue`` stream, and on an ``Interest`` stream only
-    with the hold consumer present (see :mod:`isbflow.connector.release`).
+    with the hold consumer present (see :mod:`isbflow.isb.release`).
     The consumer is deleted at the end (``inactive_threshold`` covers a crash).
     """
     if last < first:

@@ -1,0 +1,77 @@
+"""Where a sink's table is, and reading its current version with Spark.
+
+One home for what the quality checks, recovery and window recompute all need:
+the sink vertex of a name (:func:`sink_vertex`), its Delta table folder
+(:func:`sink_table_path`: relative paths live under the data dir), the
+table's current version as a Spark DataFrame (:func:`read_version`, the
+Parquet files ``DeltaTable(path).file_uris()`` lists; no Delta jars), and the
+raw sink an aggregate sink is recomputed from (:func:`find_raw_sink`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from isbflow.isb.ledger import ID_COLUMN
+from isbflow.spec.models import Pipeline, Vertex
+
+
+class SinkTableError(Exception):
+    """No such sink vertex, or no table yet; the message says what to do."""
+
+
+def sink_vertex(pipeline: Pipeline, sink: str) -> Vertex:
+    """The sink vertex named ``sink``; :class:`SinkTableError` naming the sinks there are otherwise."""
+    try:
+        v = pipeline.vertex(sink)
+    except KeyError:
+        v = None
+    if v is None or v.sink is None:
+        sinks = [x.name for x in pipeline.spec.vertices if x.sink is not None]
+        raise SinkTableError(f"pipeline {pipeline.name!r} has no sink vertex {sink!r} (sinks: {', '.join(sinks)})")
+    return v
+
+
+def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
+    """The Delta table folder of sink vertex ``sink`` (relative paths live under the data dir)."""
+    path = Path(sink_vertex(pipeline, sink).sink.delta.path)
+    return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
+
+
+def read_version(spark, path: str):
+    """(DataFrame of the table's current version, version, that commit's metadata)."""
+    from deltalake import DeltaTable  # lazy: delta-rs loads a native library
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        table = DeltaTable(path)
+    except TableNotFoundError:
+        raise SinkTableError(f"no Delta table at {path}: the sink has not committed a batch yet; "
+                             "run the pipeline first") from None
+    version = table.version()
+    uris = table.file_uris()
+    if uris:
+        df = spark.read.option("basePath", path).parquet(*uris)
+    else:
+        df = spark.createDataFrame(table.schema().to_arrow().empty_table())
+    history = table.history(1)
+    return df, version, (history[0] if history else {})
+
+
+def find_raw_sink(spark, pipeline: Pipeline, sink: str, data_dir: str | Path) -> str | None:
+    """The raw sink (has ``_isb_id``) sharing the most upstream steps with ``sink``."""
+    mine = pipeline.ancestors(sink)
+    best: tuple[int, str] | None = None
+    for v in pipeline.spec.vertices:
+        if v.sink is None or v.name == sink:
+            continue
+        shared = len(mine & pipeline.ancestors(v.name))
+        if shared == 0 or (best and best[0] >= shared):
+            continue
+        try:
+            df, _, _ = read_version(spark, sink_table_path(pipeline, v.name, data_dir))
+        except SinkTableError:
+            continue
+        if ID_COLUMN in df.columns:
+            best = (shared, v.name)
+    return best[1] if best else None
