@@ -467,7 +467,7 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
 
         runner = PipelineRunner(spark, specs, p, settings, work)
         try:
-            parsed = runner._apply("in", bench.events("in", cfg.event_batch_rows))
+            parsed = runner.apply_transform("in", bench.events("in", cfg.event_batch_rows))
         finally:
             runner.close()
         c_df = parsed.where(F.col("_isb_error").isNull()).drop("_isb_error", "_isb_raw")

@@ -86,6 +86,7 @@ from isbflow.isb.connect import NatsSettings, connect, resolve_settings, setting
 from isbflow.isb.dlq import DeadLetter, publish_dead_letters
 from isbflow.isb.errors import ConnectorOptionError
 from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, split_frames
+from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
 from isbflow.spec.models import DEFAULT_LIMITS, OnFull
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ RAW_COLUMN = "_isb_raw"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 DEFAULT_COMMITTED_KEY = "committed.{to}.{stream}"
 DEFAULT_WINDOW = 32
-ACK_TIMEOUT = 30.0
+#: seconds a frame answered 'no stream' (503) is sent again before the buffer counts as missing
+#: (a cluster stream electing a new leader answers 503 for a few seconds)
+UNAVAILABLE_FOR = 5.0
 _LOG_EVERY = 5.0
 _MAX_BACKOFF = 2.0
 
@@ -327,50 +330,12 @@ class _InFlight:
     future: asyncio.Future
 
 
-class _PipelinedPublisher:
-    """Acked JetStream publishes with many in flight, in publish order on one connection.
+def _settle_in_flight(f: _InFlight, ack: Ack | None, error: BaseException | None) -> None:
+    resolve_future(f.future, ack, error)
 
-    nats-py's ``publish_async`` cannot serve here: its reply handler raises a
-    stream's error reply (e.g. "maximum messages exceeded") instead of failing
-    the future, so a refused publish never completes. This is the same
-    protocol (publish with a reply inbox, one wildcard subscription for the
-    PubAcks) with the error set on the future.
-    """
 
-    def __init__(self, nc):
-        self.nc = nc
-        self.futures: dict[str, asyncio.Future] = {}
-        self.count = 0
-
-    async def start(self) -> None:
-        self.prefix = self.nc.new_inbox()
-        await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_reply, pending_msgs_limit=0, pending_bytes_limit=0)
-
-    async def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> asyncio.Future:
-        self.count += 1
-        token = str(self.count)
-        fut = asyncio.get_running_loop().create_future()
-        self.futures[token] = fut
-        await self.nc.publish(subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
-        return fut
-
-    async def _on_reply(self, msg) -> None:
-        from nats.js.api import PubAck
-        from nats.js.errors import APIError, NoStreamResponseError
-
-        fut = self.futures.pop(msg.subject.rsplit(".", 1)[-1], None)
-        if fut is None or fut.done():
-            return
-        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-            fut.set_exception(NoStreamResponseError())
-            return
-        try:
-            resp = json.loads(msg.data)
-            if "error" in resp:
-                APIError.from_error(resp["error"])  # raises the typed error
-            fut.set_result(PubAck.from_response(resp))
-        except Exception as e:  # noqa: BLE001 - handed to the waiting publisher
-            fut.set_exception(e)
+def _in_flight_message(f: _InFlight) -> tuple[str, bytes, dict[str, str]]:
+    return f.buf.ep.subject, f.payload, f.headers
 
 
 class _TaskPublisher:
@@ -395,7 +360,7 @@ class _TaskPublisher:
         self.nc = await connect(self.opts.settings, name=f"isbflow-writer-{self.opts.step}-{self.task}")
         try:
             self.js: nats.js.JetStreamContext = self.nc.jetstream()
-            self.pipe = _PipelinedPublisher(self.nc)
+            self.pipe = AckedPublisher(self.nc, _settle_in_flight, _in_flight_message, unavailable_for=UNAVAILABLE_FOR)
             await self.pipe.start()
             self.max_payload = min(self.opts.max_payload or self.nc.max_payload, self.nc.max_payload)
             self.kv = await self._status_kv() if self.capacity is not None else None
@@ -523,8 +488,9 @@ class _TaskPublisher:
         if self.capacity is not None and not await self._admit(buf):
             self._discard(buf, frame.rows)
             return
-        fut = await self.pipe.publish(buf.ep.subject, frame.payload, headers)
-        self.inflight.append(_InFlight(buf, msg_id, frame.payload, headers, frame.rows, fut))
+        f = _InFlight(buf, msg_id, frame.payload, headers, frame.rows, asyncio.get_running_loop().create_future())
+        await self.pipe.publish(buf.ep.subject, frame.payload, headers, f)
+        self.inflight.append(f)
         if buf.usage is not None:
             buf.usage += 1
         if buf.tight:
@@ -542,7 +508,7 @@ class _TaskPublisher:
 
         f = self.inflight.popleft()
         try:
-            ack = await asyncio.wait_for(f.future, ACK_TIMEOUT)
+            ack = await settled(f.future, ACK_TIMEOUT)
         except NoStreamResponseError:
             raise OutputBufferNotFound(f.buf.ep.stream, f.buf.ep.subject) from None
         except TimeoutError:

@@ -35,6 +35,7 @@ from typing import Any
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.publish import Ack, AckedPublisher
 from isbflow.spec.models import Pipeline
 
 BASE_TIME = datetime(2025, 1, 1, tzinfo=UTC)
@@ -246,15 +247,10 @@ class TokenBucket:
             await asyncio.sleep((min(n, self.burst) - self.tokens) / self.rate)
 
 
-def _is_duplicate(ack: bytes) -> bool:
-    """The server writes ``"duplicate": true`` (with a space); parse rather than match bytes."""
-    return bool(json.loads(ack).get("duplicate"))
-
-
 class _AckCounter:
     """Acknowledgements of one run, counted in one inbox callback (no future per message).
 
-    Each message's reply subject is ``<inbox>.<index>``; an index counts once,
+    The publisher's key of each message is its index; an index counts once,
     so a retried message acknowledged twice is not counted twice.
     """
 
@@ -263,31 +259,35 @@ class _AckCounter:
         self.acked = bytearray(count)
         self.done = self.duplicates = self.in_flight = self.unreported = 0
         self.errors: list[str] = []
-        #: 503 answers (no stream responded: in a cluster, while the stream elects a new leader);
-        #: such a message stays unacknowledged and is sent again like one whose ack never came
+        #: messages still answered 503 (no stream responded) after the publisher sent them again
+        #: for _ACK_TIMEOUT (in a cluster, a stream electing a new leader answers 503 for seconds)
         self.unavailable = 0
         self.progress = progress
         self.every = _PROGRESS_EVERY
         self.room = asyncio.Event()
         self.low = 0
 
-    async def on_ack(self, msg: Any) -> None:
+    def on_ack(self, i: int, ack: Ack | None, error: BaseException | None) -> None:
+        """The publisher's :data:`~isbflow.isb.publish.OnAck` for message ``i``."""
         self.in_flight -= 1
         if self.in_flight <= self.low:
             self.room.set()
-        k = int(msg.subject[msg.subject.rfind(".") + 1:]) - self.start
-        data = msg.data
-        if not data or data.find(b'"error"') >= 0:
-            if (msg.headers or {}).get("Status") == "503":
+        if error is not None:
+            from nats.js.errors import (
+                NoStreamResponseError,  # only on this rare path: imports cost per ack
+            )
+
+            if isinstance(error, NoStreamResponseError):  # still 503 after the publisher's resends
                 self.unavailable += 1
-                return
-            self.errors.append(data.decode(errors="replace"))
+            else:
+                self.errors.append(str(error))
             return
+        k = i - self.start
         if self.acked[k]:
             return
         self.acked[k] = 1
         self.done += 1
-        if data.find(b'"duplicate"') >= 0 and _is_duplicate(data):
+        if ack.duplicate:
             self.duplicates += 1
         self.unreported += 1
         if self.unreported >= self.every:
@@ -357,8 +357,11 @@ async def produce(
         acks.low = window // 2
         if rate:
             acks.every = max(1, min(_PROGRESS_EVERY, int(rate / 10)))
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(f"{inbox}.*", cb=acks.on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
+        def message_of(i: int) -> tuple[str, bytes, dict[str, str]]:
+            return subject, payload(seed, i, malformed_every, shift_ms), {"Nats-Msg-Id": msg_id(seed, i)}
+
+        pub = AckedPublisher(nc, acks.on_ack, message_of, unavailable_for=_ACK_TIMEOUT)
+        await pub.start()
 
         def refused() -> ProduceFailed:
             return ProduceFailed(f"the ISB service at {settings.display} refused messages for {subject} "
@@ -370,8 +373,8 @@ async def produce(
                 if bucket is not None and n % step == 0:
                     await bucket.take(step)
                 n += 1
-                await nc.publish(subject, payload(seed, i, malformed_every, shift_ms), reply=f"{inbox}.{i}",
-                                 headers={"Nats-Msg-Id": msg_id(seed, i)})
+                await pub.publish(subject, payload(seed, i, malformed_every, shift_ms),
+                                  {"Nats-Msg-Id": msg_id(seed, i)}, i)
                 acks.in_flight += 1
                 if acks.in_flight >= window:
                     acks.room.clear()
@@ -384,32 +387,24 @@ async def produce(
 
         t0 = time.perf_counter()
         await send(range(start, start + count))
-        resends, unanswered_since = 0, None
+        resends = 0
         while True:  # wait for the last acks; resend what never got one (3 times at most)
-            last, idle_since, all_in = acks.done, time.monotonic(), False
+            last, idle_since = acks.done, time.monotonic()
             while acks.done < count and not acks.errors:
                 await asyncio.sleep(0.005)
                 if acks.done != last:
                     last, idle_since = acks.done, time.monotonic()
-                elif time.monotonic() - idle_since > _ACK_TIMEOUT:
-                    break
-                elif acks.in_flight <= 0 and acks.unavailable:  # every reply is in, some were 503s
-                    all_in = True
-                    break
+                elif time.monotonic() - idle_since > _ACK_TIMEOUT or not pub.in_flight:
+                    break  # acks lost, or every answer is in (some 503 after the publisher's resends)
             if acks.errors:
                 raise refused()
-            if acks.done == count:
+            if acks.done == count or acks.unavailable:
                 break
-            if all_in:  # no stream answered: in a cluster, while the stream elects a leader
-                unanswered_since = unanswered_since or time.monotonic()
-                if time.monotonic() - unanswered_since > _ACK_TIMEOUT:
-                    break
-                await asyncio.sleep(1.0)
-            else:
-                resends += 1
-                if resends > 3:
-                    break
-            acks.in_flight = acks.unavailable = 0
+            resends += 1
+            if resends > 3:
+                break
+            pub.forget()
+            acks.in_flight = 0
             await send(iter(acks.missing()))
         if acks.done < count:
             why = f" ({acks.unavailable} answered 'no stream took the message')" if acks.unavailable else ""
@@ -418,7 +413,7 @@ async def produce(
                                 "ids make it safe")
         seconds = time.perf_counter() - t0
         acks.report_progress()
-        await sub.unsubscribe()
+        await pub.close()
     finally:
         await nc.close()
     malformed = sum(1 for i in range(start, start + count) if is_malformed(i, malformed_every))
