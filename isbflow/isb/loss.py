@@ -18,6 +18,7 @@ from pathlib import Path
 from isbflow.isb import naming
 from isbflow.isb.read import stream_state
 from isbflow.spec.models import Pipeline
+from isbflow.spec.paths import DataDir
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def stream_readers(p: Pipeline) -> dict[str, str]:
 async def detect_loss(nc, p: Pipeline, data_dir: Path) -> list[DetectedLoss]:
     """Every lost buffer of ``p``, judged against the readers' checkpoints."""
     lost = []
-    ckroot = Path(data_dir) / "checkpoints" / p.name
+    ckroot = DataDir(data_dir).checkpoints(p.name)
     for stream, reader in stream_readers(p).items():
         st = await stream_state(nc, stream)
         seen: dict | None = None

@@ -29,6 +29,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from isbflow.local.procs import process_alive
+from isbflow.spec.paths import DataDir
+
 HOST = "127.0.0.1"
 STATE_FILE = "state.json"
 
@@ -106,18 +109,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
+#: the platform's name for it (one implementation: isbflow.local.procs)
+pid_alive = process_alive
 
 
 def _node_alive(node: NodeState) -> bool:
@@ -192,7 +185,7 @@ def _meta_ready(nodes: list[NodeState]) -> bool:
 
 
 def nats_dir(data_dir: Path) -> Path:
-    return Path(data_dir) / "nats"
+    return DataDir(data_dir).nats
 
 
 def read_state(data_dir: Path | str) -> ServerState | None:

@@ -179,7 +179,9 @@ class StopReport:
 
 def repo_root() -> Path:
     """The checkout holding ``isbflow/`` (the project is installed editable)."""
-    return Path(__file__).resolve().parent.parent
+    import isbflow  # the package's own location, wherever this module sits in it
+
+    return Path(isbflow.__file__).resolve().parents[1]
 
 
 def demo_spec() -> Path:

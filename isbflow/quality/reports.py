@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from isbflow.spec.paths import DataDir
+
 log = logging.getLogger(__name__)
 
-REPORTS_DIR = ("quality", "reports")
 _RUN_ID = re.compile(r"^(\d{8}T\d{12}Z)-[0-9a-f]{6}$")
 
 
@@ -38,7 +39,7 @@ class UnsafeReportPath(ValueError):
 
 
 def reports_root(data_dir: str | Path) -> Path:
-    return Path(data_dir).joinpath(*REPORTS_DIR)
+    return DataDir(data_dir).quality_reports
 
 
 def new_run_id(now: datetime) -> str:

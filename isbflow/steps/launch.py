@@ -60,6 +60,8 @@ from typing import Any
 
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.state import Observed, StepStatus
+from isbflow.local.procs import process_alive, process_start
+from isbflow.spec.paths import DataDir
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def launch_key(pipeline: str, steps: Sequence[str] | None) -> str:
 
 
 def launches_dir(data_dir: str | Path) -> Path:
-    return Path(data_dir).absolute() / "launches"
+    return DataDir(data_dir).launches
 
 
 def record_path(data_dir: str | Path, key: str) -> Path:
@@ -145,44 +147,6 @@ def _write_launch(data_dir: str | Path, record: LaunchRecord) -> None:
 
 
 # ---------------------------------------------------------------------------------- processes
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) from /proc, or None when there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
-    return fields[0], int(fields[19])
-
-
-def process_start(pid: int) -> int | None:
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
-
-
-def process_alive(pid: int, proc_start: int | None = None) -> bool:
-    """The process exists, is not a zombie, and (when known) started at ``proc_start``."""
-    if not Path("/proc/self/stat").exists():  # not Linux: existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    stat = _proc_stat(pid)
-    if stat is None:
-        return False
-    state, start = stat
-    if state == "Z":
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)  # our own child: reap it
-        return False
-    return proc_start is None or start == proc_start
-
 
 def tail(path: str | Path, lines: int = 20) -> str:
     """The last ``lines`` lines of a text file ('' when it does not exist)."""
@@ -328,7 +292,7 @@ def launch(key: str, pipeline: str, command: Sequence[str], *, data_dir: str | P
             log.info("the previous launch %s of %s (pid %s) has exited; starting a new one (its log: %s)",
                      existing.launch_id, key, existing.pid, existing.log)
         launch_id = uuid.uuid4().hex[:12]
-        logs = Path(data_dir).absolute() / "logs"
+        logs = DataDir(data_dir).logs
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{key}-{launch_id}.log"
         started_at = time.time()
@@ -499,7 +463,7 @@ def run_foreground(spec_file: str | Path, data_dir: str | Path, settings: NatsSe
     """
     command = driver_command(spec_file, data_dir=data_dir, trigger=trigger, master=master,
                              pipeline=pipeline, steps=steps, json_out=True)
-    logs = Path(data_dir).absolute() / "logs"
+    logs = DataDir(data_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{pipeline or Path(spec_file).stem}-{trigger}-{uuid.uuid4().hex[:12]}.log"
     with open(log_path, "ab") as err:

@@ -69,6 +69,7 @@ from isbflow.isb.connect import NatsSettings, connect, settings_to_json
 from isbflow.isb.release import release
 from isbflow.spec import Specs, transforms
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
+from isbflow.spec.paths import DataDir
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class StepError(Exception):
 
 
 def epoch_file(data_dir: Path, pipeline: str) -> Path:
-    return Path(data_dir) / "checkpoints" / f"{pipeline}.epoch"
+    return DataDir(data_dir).epoch_file(pipeline)
 
 
 def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
@@ -237,8 +238,7 @@ class PipelineRunner:
         return f"{self.p.name}/{vertex}" + (f"#e{epoch}" if epoch else "")
 
     def checkpoint(self, vertex: str, to: str | None) -> str:
-        name = vertex if to is None else f"{vertex}-to-{to}"
-        return str(self.data_dir / "checkpoints" / self.p.name / name)
+        return str(DataDir(self.data_dir).checkpoint(self.p.name, vertex, to))
 
     def input_streams(self, vertex: str) -> list[str]:
         v = self.p.vertex(vertex)
@@ -391,7 +391,7 @@ class PipelineRunner:
                 part = F.lit(0)
             out = df.withColumn(PARTITION_COLUMN, part.cast("int"))
             limits = to.effective_limits(self.p.spec.limits)
-            stats = str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{e.to}")
+            stats = str(DataDir(self.data_dir).stats(self.p.name, vertex, e.to))
             opts = {"settings": self.settings_json, "pipeline": self.p.name, "step": vertex, "to": e.to,
                     "partitions": str(n), "maxPayload": str(self.max_payload),
                     "bufferMaxLength": str(limits.bufferMaxLength),
@@ -412,7 +412,7 @@ class PipelineRunner:
             w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
             w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.processing_time)
             q = w.start()
-            stats_dir = None if to is None else str(self.data_dir / "stats" / self.p.name / f"{vertex}-to-{to}")
+            stats_dir = None if to is None else str(DataDir(self.data_dir).stats(self.p.name, vertex, to))
             run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir, writer=w))
         run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
                                    pid=os.getpid())
