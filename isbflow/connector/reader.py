@@ -68,7 +68,7 @@ from isbflow.connector import offsets as off
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
 from isbflow.isb import frames
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, SyncSession
 from isbflow.isb.errors import (
     BufferLost,
     BufferNotFound,
@@ -78,7 +78,6 @@ from isbflow.isb.errors import (
 from isbflow.isb.read import (
     Message,
     StreamState,
-    close_loop,
     read_partition,
     stream_state,
 )
@@ -137,41 +136,24 @@ class JetStreamDataSource(DataSource):
         return JetStreamBatchReader(ReaderOptions.parse(self.options), schema)
 
 
-class _Link:
+class _Link(SyncSession):
     """A driver-side connection: its own event loop and client, opened on first use."""
 
     def __init__(self, settings: NatsSettings):
-        self.settings = settings
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._nc = None
+        super().__init__(settings, name="isbflow-source")
 
     def states(self, streams: Sequence[str]) -> dict[str, StreamState | None]:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        loop = self._loop
-        if self._nc is None or self._nc.is_closed:
-            self._nc = loop.run_until_complete(connect(self.settings, name="isbflow-source"))
+        async def all_states(nc):
+            return await asyncio.gather(*(stream_state(nc, s) for s in streams))
 
-        async def all_states():
-            return await asyncio.gather(*(stream_state(self._nc, s) for s in streams))
-
-        return dict(zip(streams, loop.run_until_complete(all_states()), strict=True))
+        return dict(zip(streams, self.run(all_states), strict=True))
 
     def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:
         """The end offsets frozen for a draining step (stream -> last seq), or None."""
         from isbflow.isb.state import get_drain_point
 
-        self.states(())  # opens the loop and connection
-        assert self._loop is not None
-        point = self._loop.run_until_complete(get_drain_point(self._nc, pipeline, vertex))
+        point = self.run(lambda nc: get_drain_point(nc, pipeline, vertex))
         return {s: int(v) for s, v in point.items()} if point else None
-
-    def close(self) -> None:
-        if self._loop is not None:
-            if self._nc is not None and not self._nc.is_closed:
-                self._loop.run_until_complete(self._nc.close())
-            close_loop(self._loop)
-        self._loop = self._nc = None
 
 
 class _RangeReader:

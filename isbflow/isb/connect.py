@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from isbflow.isb.errors import ConnectorOptionError
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class IsbUnreachable(Exception):
@@ -287,3 +290,82 @@ def settings_from_json(text: str) -> NatsSettings:
         raise ConnectorOptionError(
             f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
             "isbflow.isb.connect.settings_to_json") from None
+
+
+# ------------------------------------------------------------------ sessions: one way to hold a connection
+
+
+@contextlib.asynccontextmanager
+async def session(settings: NatsSettings, name: str = "isbflow", **kwargs) -> AsyncIterator[nats.aio.client.Client]:
+    """``async with session(settings) as nc``: a connection closed on the way out, whatever happens."""
+    nc = await connect(settings, name=name, **kwargs)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+def run_with(settings: NatsSettings, fn: Callable[[nats.aio.client.Client], Awaitable[T]],
+             name: str = "isbflow") -> T:
+    """For a caller that is not async: ``fn(nc)`` on a fresh connection and event loop, then both closed."""
+
+    async def go() -> T:
+        async with session(settings, name=name) as nc:
+            return await fn(nc)
+
+    return asyncio.run(go())
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a private event loop the way ``asyncio.run`` does: finish cancelled tasks first
+    (nats-py's ``close`` cancels its reader/flusher tasks without waiting for them)."""
+    try:
+        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+
+
+class SyncSession:
+    """A long-lived connection for a caller that is not async (the driver's bookkeeping, a
+    Spark reader on the driver): its own event loop, connected on first use and again
+    after the connection closed; ``run(...)`` runs a coroutine on it."""
+
+    def __init__(self, settings: NatsSettings, name: str = "isbflow"):
+        self.settings, self.name = settings, name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._nc: nats.aio.client.Client | None = None
+
+    @property
+    def nc(self) -> nats.aio.client.Client:
+        """The connection (opened when missing or closed)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        if self._nc is None or self._nc.is_closed:
+            self._nc = self._loop.run_until_complete(connect(self.settings, name=self.name))
+        return self._nc
+
+    def run(self, work: Awaitable[T] | Callable[[nats.aio.client.Client], Awaitable[T]]) -> T:
+        """Run a coroutine (made with :attr:`nc`) or ``work(nc)`` on the session's loop."""
+        nc = self.nc
+        assert self._loop is not None
+        return self._loop.run_until_complete(work(nc) if callable(work) else work)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            try:
+                if self._nc is not None and not self._nc.is_closed:
+                    self._loop.run_until_complete(self._nc.close())
+            finally:
+                close_loop(self._loop)
+        self._loop = self._nc = None
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

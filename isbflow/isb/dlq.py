@@ -26,7 +26,6 @@ timestamps in ISO 8601, decimals as strings.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as _dt
 import decimal
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, connect, run_with
 from isbflow.isb.frames import HEADER_ROOM
 
 if TYPE_CHECKING:
@@ -173,14 +172,8 @@ def publish_dead_letters_sync(
 ) -> int:
     """:func:`publish_dead_letters` for code without an event loop (a plain executor function)."""
 
-    async def run() -> int:
-        nc = await connect(settings, name=f"isbflow-dlq-{pipeline}-{vertex}")
-        try:
-            return await publish_dead_letters(nc.jetstream(), pipeline, vertex, records, reason)
-        finally:
-            await nc.close()
-
-    return asyncio.run(run())
+    return run_with(settings, lambda nc: publish_dead_letters(nc.jetstream(), pipeline, vertex, records, reason),
+                    name=f"isbflow-dlq-{pipeline}-{vertex}")
 
 
 async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str | None = None,

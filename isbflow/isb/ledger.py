@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from isbflow.isb import naming
+from isbflow.isb.connect import run_with
 
 ID_COLUMN = "_isb_id"
 _PARTITION = re.compile(r"^.+/\d+$")
@@ -230,18 +231,9 @@ async def read(nc, pipeline: str) -> dict[str, PartitionRanges]:
 
 def record_sync(settings, pipeline: str, sink: str, ranges: PartitionRanges) -> None:
     """:func:`record` from synchronous code (the Delta sink's driver-side commit)."""
-    import asyncio
 
-    from isbflow.isb.connect import connect
 
-    async def go() -> None:
-        nc = await connect(settings, name=f"isbflow-ledger-{pipeline}-{sink}")
-        try:
-            await record(nc, pipeline, sink, ranges)
-        finally:
-            await nc.close()
-
-    asyncio.run(go())
+    run_with(settings, lambda nc: record(nc, pipeline, sink, ranges), name=f"isbflow-ledger-{pipeline}-{sink}")
 
 
 # ------------------------------------------------------------------ low offsets

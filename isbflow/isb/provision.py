@@ -66,7 +66,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, session
 from isbflow.spec.load import SpecError, SpecProblem, Specs
 from isbflow.spec.models import Pipeline, Retention, Storage
 
@@ -332,12 +332,9 @@ class StreamStatus:
 
 @asynccontextmanager
 async def _jetstream(settings: NatsSettings) -> AsyncIterator[JetStreamContext]:
-    nc = await connect(settings, name="isbflow-provision")
-    try:
+    async with session(settings, name="isbflow-provision") as nc:
         # creating an R3 stream forms a raft group: allow for a busy small machine
         yield nc.jetstream(timeout=30.0)
-    finally:
-        await nc.close()
 
 
 async def _info(js: JetStreamContext, stream: str) -> StreamInfo | None:

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, close_loop, connect
 from isbflow.isb.errors import BufferLost, BufferReadError
 
 if TYPE_CHECKING:
@@ -333,20 +333,6 @@ async def consume_range(
             await nc.request(f"{API}.CONSUMER.DELETE.{stream}.{name}", b"", timeout=5)
         except Exception:  # the inactive_threshold removes it anyway
             log.debug("could not delete read consumer %s on %s", name, stream)
-
-
-def close_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Close a private event loop the way ``asyncio.run`` does: finish cancelled tasks first
-    (nats-py's ``close`` cancels its reader/flusher tasks without waiting for them)."""
-    try:
-        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    finally:
-        loop.close()
 
 
 def read_partition(

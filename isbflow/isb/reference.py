@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, connect, session
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -133,14 +133,12 @@ async def revision(settings: NatsSettings, pipeline: str, name: str) -> int:
     """The table's revision: the bucket stream's last sequence (one small request)."""
     from nats.js.errors import NotFoundError
 
-    nc = await connect(settings, name="isbflow-ref")
-    try:
-        return (await nc.jetstream().stream_info(
-            _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
-    except NotFoundError:
-        raise _not_found(pipeline, name, settings) from None
-    finally:
-        await nc.close()
+    async with session(settings, name="isbflow-ref") as nc:
+        try:
+            return (await nc.jetstream().stream_info(
+                _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
+        except NotFoundError:
+            raise _not_found(pipeline, name, settings) from None
 
 
 def to_table(rows: Mapping[str, Mapping[str, Any]], key: str = "key") -> pa.Table:

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isbflow.isb.connect import NatsSettings
+from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.state import Observed, StepStatus
 from isbflow.local.procs import process_alive, process_start
 from isbflow.spec.paths import DataDir
@@ -342,14 +342,10 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
 
 async def read_statuses(settings: NatsSettings, pipeline: str, vertices: list[str]) -> dict[str, StepStatus | None]:
     """Every step's heartbeat (one connection)."""
-    from isbflow.isb.connect import connect
     from isbflow.isb.state import all_status
 
-    nc = await connect(settings, name="isbflow-launch")
-    try:
+    async with session(settings, name="isbflow-launch") as nc:
         return await all_status(nc, pipeline, vertices)
-    finally:
-        await nc.close()
 
 
 @dataclass

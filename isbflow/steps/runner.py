@@ -52,7 +52,6 @@ batches the table already holds.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -65,7 +64,7 @@ from typing import Any
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
-from isbflow.isb.connect import NatsSettings, connect, settings_to_json
+from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
 from isbflow.isb.release import release
 from isbflow.spec import Specs, transforms
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
@@ -187,23 +186,6 @@ class StepRun:
     drain_point: dict[str, int] | None = None
 
 
-class _Nats:
-    """One connection and event loop for the driver's bookkeeping."""
-
-    def __init__(self, settings: NatsSettings):
-        self.loop = asyncio.new_event_loop()
-        self.nc = self.loop.run_until_complete(connect(settings, name="isbflow-runner"))
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def close(self) -> None:
-        try:
-            self.run(self.nc.close())
-        finally:
-            self.loop.close()
-
-
 class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
                  processing_time: str = "1 second", starting_offsets: dict[str, dict] | None = None,
@@ -219,7 +201,8 @@ class PipelineRunner:
         self.max_payload = self.service.spec.jetstream.settings.max_payload
         self._schemas: dict[str, Any] = {}
         self.runs: dict[str, StepRun] = {}
-        self.nats = _Nats(settings)
+        self.nats = SyncSession(settings, name="isbflow-runner")
+        self.nats.nc  # noqa: B018 - connect now: an unreachable ISB service fails the runner's start
         self.settings_json = settings_to_json(settings)
         self.starting_offsets = starting_offsets or {}
         self.sink_mode = sink_mode
