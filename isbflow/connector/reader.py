@@ -67,6 +67,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from isbflow.connector import offsets as off
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
+from isbflow.connector.writer import stream_writer
 from isbflow.isb import frames
 from isbflow.isb.connect import NatsSettings, SyncSession
 from isbflow.isb.errors import (
@@ -81,6 +82,7 @@ from isbflow.isb.read import (
     read_partition,
     stream_state,
 )
+from isbflow.isb.state import get_drain_point
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,6 @@ class JetStreamDataSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool):  # noqa: N802
         """Driver: the stream writer publishing frames into an edge's buffers
         (:mod:`isbflow.connector.writer`)."""
-        from isbflow.connector.writer import stream_writer
 
         return stream_writer(self.options, schema)
 
@@ -150,7 +151,6 @@ class _Link(SyncSession):
 
     def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:
         """The end offsets frozen for a draining step (stream -> last seq), or None."""
-        from isbflow.isb.state import get_drain_point
 
         point = self.run(lambda nc: get_drain_point(nc, pipeline, vertex))
         return {s: int(v) for s, v in point.items()} if point else None

@@ -67,6 +67,7 @@ from nats.js.errors import NotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
+from isbflow.isb.release import interest_hold_consumer
 from isbflow.spec.load import SpecError, SpecProblem, Specs
 from isbflow.spec.models import Pipeline, Retention, Storage
 
@@ -387,8 +388,6 @@ async def _ensure_hold(js: JetStreamContext, r: Resource) -> None:
     until :func:`isbflow.isb.release.release` purges them after the downstream
     commit. Creating a durable with the same config again is a no-op."""
     if r.kind == "stream" and r.fields.get("retention") == RetentionPolicy.INTEREST:
-        from isbflow.isb.release import interest_hold_consumer
-
         await js.add_consumer(r.stream, interest_hold_consumer())
 
 

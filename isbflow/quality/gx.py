@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from isbflow.quality.checks import SAMPLE_SIZE, CheckResult
+from isbflow.spec.expectations import build_expectation
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ def validate(data_dir: Path, pipeline: str, sink: str, df, expectations: Sequenc
     """Run ``expectations`` on ``df`` (a Spark DataFrame); results in the order given."""
     import great_expectations as gx
     from great_expectations.checkpoint import UpdateDataDocsAction
-
-    from isbflow.spec.expectations import build_expectation
 
     root = gx_root(data_dir)
     name = f"{pipeline}.{sink}"

@@ -26,7 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from isbflow.quality import checks
+from isbflow.isb.dlq import read_dead_letters
+from isbflow.quality import checks, docs, gx, reports
 from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
 from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
 from isbflow.spec.models import Pipeline, QualityGate, SinkQuality
@@ -95,7 +96,6 @@ class QualityReport:
 
 def dead_letter_ids(settings, pipeline: str) -> set[str]:
     """The ``_isb_id`` of every dead-lettered record of the pipeline (needs the ISB service)."""
-    from isbflow.isb.dlq import read_dead_letters
 
     letters = asyncio.run(read_dead_letters(settings, pipeline))
     return {dl["origin"] for dl in letters if dl.get("origin")}
@@ -127,7 +127,6 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     and the run id (tests inject it); ``raw_sink``: the raw sink aggregate
     windows are recomputed from (default: found from the graph).
     """
-    from isbflow.quality import docs, gx, reports
 
     now = now or datetime.now(UTC)
     data_dir = Path(data_dir).absolute()

@@ -25,6 +25,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from isbflow.spec.errors import SpecProblem
+
 _CATALOG = Path(__file__).with_name("gx_catalog.json")
 
 #: Fields every GX expectation has that a spec has no business setting.
@@ -143,8 +145,6 @@ def check_expectations(specs) -> list:
     Returns :class:`isbflow.spec.load.SpecProblem` items located by file and
     field (``quality[0].expectations[1].kwargs.mostly``), empty when all build.
     """
-    from isbflow.spec.load import SpecProblem
-
     problems = []
     for name, p in specs.pipelines.items():
         file = specs.files.get(f"Pipeline/{name}", "?")

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from isbflow.spec.errors import SpecError, SpecProblem
 from isbflow.spec.models import NAME_PATTERN, VERTEX_ROLES, InterStepBufferService, Pipeline
 
 KINDS: dict[str, type[BaseModel]] = {
@@ -34,32 +35,6 @@ KINDS: dict[str, type[BaseModel]] = {
 }
 
 Loc = tuple[str | int, ...]
-
-
-@dataclass(frozen=True)
-class SpecProblem:
-    """One problem: the file, the path in the document, what is wrong, and where."""
-
-    file: str
-    path: str
-    message: str
-    line: int | None = None
-    column: int | None = None
-
-    def __str__(self) -> str:
-        where = f"{self.path}: " if self.path else ""
-        at = ""
-        if self.line is not None:
-            at = f" (line {self.line}" + (f", column {self.column}" if self.column else "") + ")"
-        return f"{self.file}: {where}{self.message}{at}"
-
-
-class SpecError(Exception):
-    """One or more problems in spec files; ``str()`` is one line per problem."""
-
-    def __init__(self, problems: Sequence[SpecProblem]):
-        self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
 
 
 @dataclass

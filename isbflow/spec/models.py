@@ -26,15 +26,14 @@ from pydantic import (
     model_validator,
 )
 
+from isbflow.spec.expectations import catalog_problems
+from isbflow.spec.times import check_time_expression, parse_duration
+
 # Names end up in stream names, subjects, paths and command lines: keep them to
 # a safe alphabet so no spec value can inject arguments or leave a folder.
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"
 _NAME_RE = re.compile(NAME_PATTERN)
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d)")
-_DURATION_UNITS = {
-    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0,
-}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -43,29 +42,6 @@ _SIZE_UNITS = {
     "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
     "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
 }
-
-
-def parse_duration(value: Any) -> float:
-    """``"1m30s"`` -> 90.0; numbers are seconds. Raises ValueError with the rule."""
-    if isinstance(value, bool):
-        raise ValueError("must be a duration such as '30s', '2m' or '72h'")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if text in ("0", ""):
-            return 0.0
-        pos, total = 0, 0.0
-        for m in _DURATION_RE.finditer(text):
-            if m.start() != pos:
-                break
-            total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-            pos = m.end()
-        if pos == len(text) and pos > 0:
-            return total
-    raise ValueError(f"must be a duration such as '30s', '2m' or '72h', got {value!r}")
 
 
 def parse_size(value: Any) -> int:
@@ -441,8 +417,6 @@ class Expectation(_Model):
     @field_validator("expectation")
     @classmethod
     def _known(cls, v: str) -> str:
-        from isbflow.spec.expectations import catalog_problems
-
         problems = [m for f, m in catalog_problems(v, {}) if f == "expectation"]
         if problems:
             raise ValueError(problems[0])
@@ -451,8 +425,6 @@ class Expectation(_Model):
     @field_validator("kwargs")
     @classmethod
     def _arguments(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from isbflow.spec.expectations import catalog_problems
-
         name = info.data.get("expectation")
         if isinstance(name, str):  # an unknown name was reported on its own field
             problems = [f"{f.removeprefix('kwargs.')}: {m}" for f, m in catalog_problems(name, v)]
@@ -523,8 +495,6 @@ class Replay(_Model):
     @field_validator("fromTime", "toTime")
     @classmethod
     def _time(cls, v: str | None) -> str | None:
-        from isbflow.spec.times import check_time_expression
-
         return None if v is None else check_time_expression(v)
 
     @model_validator(mode="after")

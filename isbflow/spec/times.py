@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 ANCHORS = ("now", "end", "start", "today", "yesterday")
 _EXPR = re.compile(r"^(?P<anchor>[a-z]+)?\s*(?:(?P<sign>[+-])\s*(?P<duration>[0-9][0-9a-zµ.]*))?$")
@@ -58,10 +59,37 @@ def _absolute(text: str) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d)")
+_DURATION_UNITS = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0,
+}
+
+
+def parse_duration(value: Any) -> float:
+    """``"1m30s"`` -> 90.0; numbers are seconds. Raises ValueError with the rule."""
+    if isinstance(value, bool):
+        raise ValueError("must be a duration such as '30s', '2m' or '72h'")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("0", ""):
+            return 0.0
+        pos, total = 0, 0.0
+        for m in _DURATION_RE.finditer(text):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos = m.end()
+        if pos == len(text) and pos > 0:
+            return total
+    raise ValueError(f"must be a duration such as '30s', '2m' or '72h', got {value!r}")
+
+
 def _parse(text: str) -> tuple[datetime | None, str | None, float]:
     """(absolute time, or anchor and signed offset in seconds); TimeExpressionError if neither."""
-    from isbflow.spec.models import parse_duration
-
     value = _absolute(text)
     if value is not None:
         return value, None, 0.0

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from isbflow.isb import naming
+from isbflow.isb.read import stream_state
+from isbflow.isb.state import get_committed
 from isbflow.spec.models import Pipeline
 
 
@@ -48,8 +50,6 @@ def buffers(p: Pipeline, sources: bool = True) -> dict[str, str]:
 
 async def pipeline_lag(nc, p: Pipeline, sources: bool = True) -> list[BufferLag]:
     """The lag of every buffer of ``p`` (module docstring), in stream-name order."""
-    from isbflow.isb.read import stream_state
-    from isbflow.isb.state import get_committed
 
     out = []
     for stream, reader in sorted(buffers(p, sources).items()):

@@ -59,8 +59,9 @@ from pathlib import Path
 from typing import Any
 
 from isbflow.isb.connect import NatsSettings, session
-from isbflow.isb.state import Observed, StepStatus
+from isbflow.isb.state import Observed, StepStatus, all_status
 from isbflow.local.procs import process_alive, process_start
+from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 
 log = logging.getLogger(__name__)
@@ -324,8 +325,6 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
     """
     import asyncio
 
-    from isbflow.spec import load_specs
-
     specs = load_specs([Path(spec_file)])
     p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
     key = launch_key(p.name, steps)
@@ -342,7 +341,6 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
 
 async def read_statuses(settings: NatsSettings, pipeline: str, vertices: list[str]) -> dict[str, StepStatus | None]:
     """Every step's heartbeat (one connection)."""
-    from isbflow.isb.state import all_status
 
     async with session(settings, name="isbflow-launch") as nc:
         return await all_status(nc, pipeline, vertices)
@@ -402,7 +400,6 @@ async def observe_state(nc: Any, pipeline: str, vertices: list[str], target: str
                         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
                         startup_grace: float = DEFAULT_STARTUP_GRACE) -> StateCheck:
     """Read the steps' heartbeats over the client ``nc`` and :func:`judge_state` them."""
-    from isbflow.isb.state import all_status
 
     alive = launch.alive() if launch is not None else None
     statuses = await all_status(nc, pipeline, vertices)

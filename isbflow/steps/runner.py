@@ -62,13 +62,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isbflow.connector.files import FilesDataSource
+from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource
+from isbflow.connector.reference import ReferenceDataSource
+from isbflow.connector.writer import read_write_stats
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
+from isbflow.isb.read import stream_state
 from isbflow.isb.release import release
+from isbflow.sinks.delta import DeltaSinkDataSource
 from isbflow.spec import Specs, transforms
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
+from isbflow.steps.update import VERSION_COLUMN, UpdatePublisher
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +137,6 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
 
 
 def register_sources(spark) -> None:
-    from isbflow.connector.files import FilesDataSource
-    from isbflow.connector.reader import JetStreamDataSource
-    from isbflow.connector.reference import ReferenceDataSource
-    from isbflow.sinks.delta import DeltaSinkDataSource
-
     for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource):
         spark.dataSource.register(ds)
 
@@ -249,8 +251,6 @@ class PipelineRunner:
         if v.source:
             from pyspark.sql.types import StringType, StructField, StructType
 
-            from isbflow.connector.reader import EVENTS_SCHEMA
-
             schema = EVENTS_SCHEMA if v.source.jetstream else StructType(
                 [StructField("value", StringType()), StructField("_isb_id", StringType())])
             return self.spark.createDataFrame([], schema)
@@ -272,8 +272,6 @@ class PipelineRunner:
     def _wire_schema(self, vertex: str):
         """What a vertex's frames carry: its output, plus the row version for an update step."""
         from pyspark.sql.types import LongType, StructField, StructType
-
-        from isbflow.steps.update import VERSION_COLUMN
 
         schema = self.output_schema(vertex)
         if self.update_keys(vertex):
@@ -381,8 +379,6 @@ class PipelineRunner:
                     "bufferUsageLimit": str(limits.bufferUsageLimit), "onFull": v.onFull.value,
                     "statsDir": stats}
             if keys:
-                from isbflow.steps.update import UpdatePublisher
-
                 epoch = checkpoint_epoch(self.data_dir, self.p.name)
                 w = out.writeStream.foreachBatch(UpdatePublisher(opts, epoch))
             else:
@@ -406,7 +402,6 @@ class PipelineRunner:
         """The ``isb-delta`` writer of sink ``v``: append (or the runner's ``sink_mode``); a sink fed
         by an update step upserts on its keys, keeping the latest version of a key per batch
         (``merge`` during recovery: insert the latest version of keys the table lacks)."""
-        from isbflow.steps.update import VERSION_COLUMN
 
         assert v.sink is not None
         mode, keys = self.sink_mode, self.merge_keys.get(v.name)
@@ -479,8 +474,6 @@ class PipelineRunner:
         status.lag = self._lag(run, committed)
 
     def _dlq_total(self, run: StepRun) -> int:
-        from isbflow.connector.writer import read_write_stats
-
         total = 0
         for rq in run.queries:
             if rq.stats_dir and Path(rq.stats_dir).exists():
@@ -490,8 +483,6 @@ class PipelineRunner:
         return total
 
     def _lag(self, run: StepRun, committed: dict[str, int]) -> dict[str, int]:
-        from isbflow.isb.read import stream_state
-
         lag = {}
         for s in run.queries[0].inputs if run.queries else []:
             state = self.nats.run(stream_state(self.nats.nc, s))
@@ -613,7 +604,6 @@ class PipelineRunner:
 
     def _follow_control(self, run: StepRun) -> None:
         """Drain: freeze the end offsets, wait for them to be committed, then stop."""
-        from isbflow.isb.read import stream_state
 
         status = run.status
         assert status is not None

@@ -33,6 +33,8 @@ from functools import partial
 
 import pyarrow as pa
 
+from isbflow.connector.writer import JetStreamStreamWriter, stream_writer
+
 #: The column an update step's rows carry on the wire (not in the sink): the row's version.
 VERSION_COLUMN = "_isb_version"
 #: Batch ids per checkpoint epoch in a version number.
@@ -47,8 +49,6 @@ def row_version(epoch: int, batch_id: int) -> int:
 def _publish_task(writer, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Executor (``mapInArrow``): publish this task's rows, yield the pickled report as one row."""
     from pyspark import TaskContext
-
-    from isbflow.connector.writer import JetStreamStreamWriter
 
     ctx = TaskContext.get()
     task = ctx.partitionId() if ctx else 0
@@ -71,8 +71,6 @@ class UpdatePublisher:
 
     def __call__(self, df, batch_id: int) -> None:
         from pyspark.sql import functions as F
-
-        from isbflow.connector.writer import stream_writer
 
         df = df.withColumn(VERSION_COLUMN, F.lit(row_version(self.epoch, batch_id)).cast("long"))
         writer = stream_writer(self.options, df.schema)
