@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect, run_with
+from isbflow.isb.connect import NatsSettings, run_with, session
 from isbflow.isb.frames import HEADER_ROOM
 
 if TYPE_CHECKING:
@@ -188,8 +188,7 @@ async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str |
 
     subject = naming.dlq_subject(pipeline, vertex) if vertex else f"isb.{pipeline}.dlq.>"
     stream = naming.dlq_stream(pipeline)
-    nc = await connect(settings, name=f"isbflow-dlq-read-{pipeline}")
-    try:
+    async with session(settings, name=f"isbflow-dlq-read-{pipeline}") as nc:
         jsm = nc.jsm()
         try:
             await jsm.stream_info(stream)
@@ -207,5 +206,3 @@ async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str |
             out.append(letter)
             seq = m.seq + 1
         return out
-    finally:
-        await nc.close()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect, session
+from isbflow.isb.connect import NatsSettings, session
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -101,8 +101,7 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
 
     check_rows(rows)
     bucket = naming.reference_bucket(pipeline, name)
-    nc = await connect(settings, name="isbflow-ref")
-    try:
+    async with session(settings, name="isbflow-ref") as nc:
         js = nc.jetstream()
         try:
             kv = await js.key_value(bucket)
@@ -124,8 +123,6 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
                 await kv.delete(key)
                 deleted += 1
         revision = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
-    finally:
-        await nc.close()
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
 
 
@@ -158,8 +155,7 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     bucket = naming.reference_bucket(pipeline, name)
-    nc = await connect(settings, name="isbflow-ref")
-    try:
+    async with session(settings, name="isbflow-ref") as nc:
         js = nc.jetstream()
         try:
             rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
@@ -167,8 +163,6 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
         except (BucketNotFoundError, NotFoundError):
             raise _not_found(pipeline, name, settings) from None
         entries = await _entries(kv)
-    finally:
-        await nc.close()
     return rev, to_table({k: json.loads(v) for k, v in entries.items()}, key)
 
 

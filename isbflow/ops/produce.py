@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Any
 
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.publish import Ack, AckedPublisher
 from isbflow.spec.models import Pipeline
 
@@ -339,8 +339,7 @@ async def produce(
     bucket = TokenBucket(rate, burst=max(1.0, min(rate / 10, window))) if rate else None
     step = 1 if bucket is None else max(1, int(bucket.burst))
 
-    nc = await connect(settings, name="isbflow-produce")
-    try:
+    async with session(settings, name="isbflow-produce") as nc:
         js = nc.jetstream()
         try:
             info = await js.stream_info(stream)
@@ -414,8 +413,6 @@ async def produce(
         seconds = time.perf_counter() - t0
         acks.report_progress()
         await pub.close()
-    finally:
-        await nc.close()
     malformed = sum(1 for i in range(start, start + count) if is_malformed(i, malformed_every))
     return ProduceReport(pipeline.name, name, stream, subject, seed, start, count,
                          acks.done - acks.duplicates, acks.duplicates, malformed, seconds)
