@@ -1,0 +1,111 @@
+"""Pure range arithmetic on source offsets: sorted, merged, inclusive ``[first, last]`` ranges.
+
+No I/O: the offset ledger (:mod:`isbflow.isb.ledger`), recovery's plans and
+the quality checks build on these. ``id_ranges`` turns a column of
+``_isb_id`` values (``<source>/<partition>/<seq>``) into ranges per source
+partition with pyarrow (no Python loop per row).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_PARTITION = re.compile(r"^.+/\d+$")
+
+#: ``[first, last]`` inclusive sequence ranges, sorted and merged
+Ranges = list[list[int]]
+#: source partition (``<source>/<partition>``) -> its ranges
+PartitionRanges = dict[str, Ranges]
+
+
+def normalize(ranges: Iterable[Iterable[int]]) -> Ranges:
+    """Sorted, merged (adjacent ranges joined) inclusive ranges."""
+    out: Ranges = []
+    for lo, hi in sorted((int(a), int(b)) for a, b in ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def union(*many: Mapping[str, Iterable[Iterable[int]]]) -> PartitionRanges:
+    """Merge several partition -> ranges maps into one."""
+    acc: dict[str, list] = {}
+    for m in many:
+        for part, ranges in (m or {}).items():
+            acc.setdefault(part, []).extend(ranges)
+    return {part: normalize(r) for part, r in sorted(acc.items())}
+
+
+def count(ranges: Ranges) -> int:
+    return sum(hi - lo + 1 for lo, hi in ranges)
+
+
+def overlaps(a: Ranges, b: Ranges) -> bool:
+    """Whether two sorted lists of inclusive ranges share a sequence: one sweep, O(len(a) + len(b))
+    (fragmented ranges, as a keyed partition's are, run to hundreds of thousands)."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        (lo, hi), (lo2, hi2) = a[i], b[j]
+        if lo <= hi2 and lo2 <= hi:
+            return True
+        if hi < hi2:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
+def first_gap(ranges: Ranges, start: int = 1) -> int:
+    """The first sequence >= ``start`` that ``ranges`` do not cover."""
+    nxt = start
+    for lo, hi in ranges:
+        if lo > nxt:
+            break
+        nxt = max(nxt, hi + 1)
+    return nxt
+
+
+def id_ranges(ids: pa.Array | pa.ChunkedArray) -> PartitionRanges:
+    """Per source partition, the ranges of the sequences in ``_isb_id`` values.
+
+    Ids that are null or not ``<source>/<partition>/<seq>`` are ignored. Runs in
+    executor tasks on every written batch: vectorised with pyarrow.
+    """
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    ids = ids.cast(pa.string())
+    if len(ids) == 0:
+        return {}
+    pieces = pc.split_pattern(ids, "/", max_splits=1, reverse=True)
+    two = pc.fill_null(pc.equal(pc.list_value_length(pieces), 2), False)
+    if not pc.all(two).as_py():
+        pieces = pieces.filter(two)
+    digits = pc.list_element(pieces, 1)
+    ok = pc.fill_null(pc.utf8_is_digit(digits), False)
+    if not pc.all(ok).as_py():
+        pieces, digits = pieces.filter(ok), digits.filter(ok)
+    if len(digits) == 0:
+        return {}
+    seq = digits.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    codes = pc.list_element(pieces, 0).dictionary_encode()  # few distinct partitions: check them once
+    names = codes.dictionary.to_pylist()
+    index = codes.indices.to_numpy(zero_copy_only=False)
+    out: PartitionRanges = {}
+    for i, name in enumerate(names):
+        if not _PARTITION.match(name):
+            continue
+        s = np.sort(seq if len(names) == 1 else seq[index == i])
+        if len(s) == 0:
+            continue
+        breaks = np.nonzero(np.diff(s) > 1)[0]
+        starts = np.concatenate(([s[0]], s[breaks + 1]))
+        ends = np.concatenate((s[breaks], [s[-1]]))
+        out[name] = [[int(a), int(b)] for a, b in zip(starts, ends, strict=True)]
+    return dict(sorted(out.items()))
