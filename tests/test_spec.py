@@ -125,6 +125,29 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "spec", ["must be a mapping"]),
     ("missing-required", lambda d: d[1].pop("metadata"),
      "metadata", ["required field is missing"]),
+    # every field's domain closed: no trailing newline, finite bounded durations, strict integers
+    ("name-trailing-newline", lambda d: d[1]["metadata"].update(name="logs\n"),
+     "metadata.name", ["'logs\\n' is not a valid name"]),
+    ("subject-trailing-newline", lambda d: _vertex(d, "in")["source"]["jetstream"].update(subject="logs.events\n"),
+     "vertices[0].source.jetstream.subject", ["not a plain NATS subject"]),
+    ("transform-trailing-newline", lambda d: _vertex(d, "parse")["udf"].update(transform="spark_apps.logs:parse\n"),
+     "vertices[1].udf.transform", ["package.module:function"]),
+    ("duration-inf", lambda d: _isb(d)["bufferConfig"]["stream"].update(maxAge=float("inf")),
+     "jetstream.bufferConfig.stream.maxAge", ["finite"]),
+    ("duration-nan", lambda d: _isb(d)["bufferConfig"]["stream"].update(maxAge=float("nan")),
+     "jetstream.bufferConfig.stream.maxAge", ["finite"]),
+    ("duration-400-digits", lambda d: _isb(d)["bufferConfig"]["stream"].update(maxAge="9" * 400 + "s"),
+     "jetstream.bufferConfig.stream.maxAge", ["at most 3650d"]),
+    ("partitions-too-many", lambda d: _vertex(d, "parse").update(partitions=10000),
+     "vertices[1].partitions", ["must be <= 64", "10000"]),
+    ("partitions-string", lambda d: _vertex(d, "parse").update(partitions="3"),
+     "vertices[1].partitions", ["must be an integer", "'3'"]),
+    ("partitions-bool", lambda d: _vertex(d, "parse").update(partitions=True),
+     "vertices[1].partitions", ["must be an integer", "True"]),
+    ("partitions-float", lambda d: _vertex(d, "parse").update(partitions=3.0),
+     "vertices[1].partitions", ["must be an integer", "3.0"]),
+    ("sink-absolute-path", lambda d: _vertex(d, "raw")["sink"]["delta"].update(path="/etc/isbflow"),
+     "vertices[4].sink.delta", ["outside the data dir", "external: true"]),
 ]
 
 
@@ -323,3 +346,57 @@ def test_cli_missing_file_is_one_line(tmp_path):
     r = _validate("-f", tmp_path / "nope.yaml")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"{tmp_path / 'nope.yaml'}: file not found"
+
+
+def test_absolute_sink_path_with_external_is_accepted(tmp_path):
+    d = _demo_docs()
+    _vertex(d, "raw")["sink"]["delta"].update(path=str(tmp_path / "raw"), external=True)
+    p = load_specs([_write(tmp_path / "ext.yaml", d)]).only_pipeline()
+    assert p.vertex("raw").sink.delta.path == str(tmp_path / "raw")
+
+
+@pytest.mark.parametrize("name,text,words,line", [
+    ("nul", "kind: Pipeline\nmetadata:\n  name: a\x00b\n", ["character U+0000 is not allowed"], 3),
+    ("control", "kind: Pipeline\nmetadata:\n  name: a\x07b\n", ["character U+0007 is not allowed"], 3),
+    ("nesting", "a: " + "[" * 500 + "]" * 500 + "\n", ["nested deeper than 32 levels"], 1),
+    ("alias-bomb", "".join(f"{k}: &{k} [" + ",".join([f"*{p}" if p else "x"] * 9) + "]\n"
+                           for k, p in zip("abcdefg", [None, *"abcdef"], strict=True)) + "h: [*g,*g]\n",
+     ["values once aliases are expanded"], 6),
+])
+def test_hostile_yaml_is_one_located_problem(tmp_path, name, text, words, line):
+    """NUL and control characters, deep nesting and alias bombs: one located problem, at once
+    (the loader walks YAML events without recursion and never expands what it refuses)."""
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(text)
+    [problem] = _problems(f)
+    assert all(w in str(problem) for w in words), str(problem)
+    assert problem.line == line, str(problem)
+
+
+def test_spec_file_size_is_bounded(tmp_path):
+    f = tmp_path / "big.yaml"
+    f.write_text("# " + "x" * (1 << 20) + "\n")
+    [problem] = _problems(f)
+    assert "a spec file may hold at most 1,048,576" in str(problem)
+
+
+def test_a_thousand_vertex_chain_and_its_cycle_are_checked_without_recursion(tmp_path):
+    vertices = ([{"name": "v0", "source": {"jetstream": {"subject": "x.y"}}}]
+                + [{"name": f"v{i}", "udf": {"transform": "m:f"}} for i in range(1, 999)]
+                + [{"name": "v999", "sink": {"delta": {"path": "t"}}}])
+    edges = [{"from": f"v{i}", "to": f"v{i + 1}"} for i in range(999)]
+    doc = {"apiVersion": "numaflow.numaproj.io/v1alpha1", "kind": "Pipeline", "metadata": {"name": "chain"},
+           "spec": {"vertices": vertices, "edges": edges}}
+    assert load_specs([_write(tmp_path / "chain.yaml", [doc])]).only_pipeline().name == "chain"
+    edges.append({"from": "v998", "to": "v500"})
+    problems = _problems(_write(tmp_path / "cycle.yaml", [doc]))
+    assert any("cycle" in str(p) and "v500 -> v501" in str(p) for p in problems), problems
+
+
+def test_problems_are_sorted_by_line(tmp_path):
+    d = _demo_docs()
+    _pl(d)["edges"][0].update(to="pars")  # a graph rule, checked after the fields
+    _vertex(d, "parse").update(partitions=0)  # a field rule, above it in the file
+    lines = [p.line for p in _problems(_write(tmp_path / "two.yaml", d))]
+    assert lines == sorted(lines) and len(lines) == 2
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,11 @@ KINDS: dict[str, type[BaseModel]] = {
 }
 
 Loc = tuple[str | int, ...]
+
+#: bounds that keep validation fast and small for any input (a real spec is a few KB)
+MAX_SPEC_CHARS = 1 << 20
+MAX_DEPTH = 32
+MAX_NODES = 100_000
 
 
 @dataclass
@@ -81,9 +87,19 @@ def _read_documents(path: Path, shown: str) -> tuple[list[_Document], list[SpecP
         raise SpecError([SpecProblem(shown, "", "not a UTF-8 text file")]) from None
     except OSError as e:
         raise SpecError([SpecProblem(shown, "", f"cannot read: {e.strerror}")]) from None
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError([SpecProblem(shown, "", f"{len(text):,} characters: a spec file may hold at most "
+                                     f"{MAX_SPEC_CHARS:,} (split it into several files)")])
     docs: list[_Document] = []
     problems: list[SpecProblem] = []
-    loader = yaml.SafeLoader(text)
+    try:
+        shape = _shape_problem(text)
+        if shape is not None:
+            message, line = shape
+            raise SpecError([SpecProblem(shown, "", message, line)])
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as e:
+        raise SpecError([_yaml_problem(shown, text, e)]) from None
     try:
         while loader.check_node():
             node = loader.get_node()
@@ -93,14 +109,67 @@ def _read_documents(path: Path, shown: str) -> tuple[list[_Document], list[SpecP
             if doc.data is not None:
                 docs.append(doc)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e)
-        raise SpecError([SpecProblem(shown, "", f"invalid YAML: {problem}",
-                                     mark.line + 1 if mark else None,
-                                     mark.column + 1 if mark else None)]) from None
+        raise SpecError([_yaml_problem(shown, text, e)]) from None
     finally:
         loader.dispose()
     return docs, problems
+
+
+def _yaml_problem(shown: str, text: str, e: yaml.YAMLError) -> SpecProblem:
+    """A YAML error as one located problem (a reader error names a character by position)."""
+    if isinstance(e, yaml.reader.ReaderError):
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        code = ord(e.character) if isinstance(e.character, str) else int(e.character)
+        what = f"character U+{code:04X}"
+        return SpecProblem(shown, "", f"invalid YAML: {what} is not allowed (control characters and "
+                           f"NUL are not YAML)", line, column)
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return SpecProblem(shown, "", f"invalid YAML: {problem}", mark.line + 1 if mark else None,
+                       mark.column + 1 if mark else None)
+
+
+def _shape_problem(text: str) -> tuple[str, int] | None:
+    """(message, line) when the YAML nests deeper than :data:`MAX_DEPTH` or its aliases expand it
+    beyond :data:`MAX_NODES` nodes (a "billion laughs"); None when its shape is fine.
+
+    Walks the parser's events (an iterative state machine): no recursion and no node tree,
+    so any input ends in time linear in its size.
+    """
+    depth, expanded = 0, 0
+    weights: dict[str, int] = {}  # anchor -> nodes it stands for, aliases expanded
+    stack: list[list] = []  # open collections: [anchor, nodes so far]
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return f"nested deeper than {MAX_DEPTH} levels", ev.start_mark.line + 1
+            stack.append([ev.anchor, 1])
+            weight = 1
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
+            anchor, count = stack.pop()
+            if anchor is not None:
+                weights[anchor] = count
+            if stack:
+                stack[-1][1] += count
+            continue
+        elif isinstance(ev, yaml.ScalarEvent):
+            weight = 1
+            if ev.anchor is not None:
+                weights[ev.anchor] = 1
+        elif isinstance(ev, yaml.AliasEvent):
+            weight = weights.get(ev.anchor, 1)
+        else:
+            continue
+        if stack and not isinstance(ev, yaml.CollectionStartEvent):
+            stack[-1][1] += weight
+        expanded += weight
+        if expanded > MAX_NODES:
+            return (f"more than {MAX_NODES:,} values once aliases are expanded (a spec holds far fewer; "
+                    "aliases that repeat aliases multiply)", ev.start_mark.line + 1)
+    return None
 
 
 def _duplicate_keys(node: yaml.Node, loc: Loc) -> Iterator[tuple[Loc, str, int]]:
@@ -155,8 +224,15 @@ def _path(loc: Loc) -> str:
 # ------------------------------------------------------- field validation
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 57
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 2
+
+
 def _shown(value: Any) -> str:
-    text = repr(value)
+    """A value as the user wrote it, cut to about 60 characters (never the repr of a huge value)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -304,7 +380,9 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
         if isinstance(spec, dict):
             problems.extend(doc.problem(("spec",) + loc, msg) for loc, msg in check_graph(spec, services))
     if problems:
-        raise SpecError(problems)
+        # by file in the order given, then by line: the order a user fixes them in
+        order = {f: i for i, f in reversed(list(enumerate(p.file for p in problems)))}
+        raise SpecError(sorted(problems, key=lambda p: (order[p.file], p.line or 0, p.column or 0)))
     return specs
 
 
@@ -493,29 +571,26 @@ def _update_output_rules(raw_vertices: list, raw_edges: list,
 
 
 def _find_cycle(edges: list[tuple[str, str]]) -> list[str] | None:
+    """A cycle of the graph as ``[a, b, ..., a]``, or None; iterative (any number of vertices)."""
     graph: dict[str, list[str]] = {}
     for a, b in edges:
         graph.setdefault(a, []).append(b)
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in graph.get(n, []):
-            if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
-            if state.get(m) is None:
-                found = visit(m)
-                if found:
-                    return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in list(graph):
-        if state.get(n) is None:
-            found = visit(n)
-            if found:
-                return found
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in list(graph):
+        if root in state:
+            continue
+        path: list[str] = [root]
+        todo: list[Iterator[str]] = [iter(graph.get(root, []))]
+        state[root] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(graph.get(nxt, [])))
     return None

@@ -21,6 +21,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -31,8 +32,11 @@ from isbflow.spec.times import check_time_expression, parse_duration
 
 # Names end up in stream names, subjects, paths and command lines: keep them to
 # a safe alphabet so no spec value can inject arguments or leave a folder.
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"
+# Every pattern here ends in ``\Z``: ``$`` also matches before a final newline.
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?\Z"
 _NAME_RE = re.compile(NAME_PATTERN)
+#: partitions of one vertex: each is a stream (and a Spark read task); more is a typo, not a design
+MAX_PARTITIONS = 64
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -99,6 +103,10 @@ def check_path(value: str) -> str:
     return value
 
 
+def _is_absolute(path: str) -> bool:
+    return path.startswith(("/", "\\")) or bool(re.match(r"^[A-Za-z]:", path)) or "://" in path
+
+
 SafePath = Annotated[str, BeforeValidator(lambda v: check_path(v) if isinstance(v, str) else v)]
 
 
@@ -137,11 +145,11 @@ class StreamConfig(_Model):
     """``bufferConfig.stream``: how each edge-partition stream is configured."""
 
     retention: Retention = Retention.LIMITS
-    maxMsgs: int = Field(default=-1, ge=-1)
+    maxMsgs: StrictInt = Field(default=-1, ge=-1)
     maxAge: Duration = 72 * 3600.0
     maxBytes: Size = -1
     storage: Storage = Storage.FILE
-    replicas: int = Field(default=1, ge=1, le=5)
+    replicas: StrictInt = Field(default=1, ge=1, le=5)
     duplicates: Duration = 120.0
 
 
@@ -149,7 +157,7 @@ class ConsumerConfig(_Model):
     """``bufferConfig.consumer``: the durable consumer each reading step uses."""
 
     ackWait: Duration = 60.0
-    maxAckPending: int = Field(default=25000, ge=1)
+    maxAckPending: StrictInt = Field(default=25000, ge=1)
 
 
 class BufferConfig(_Model):
@@ -184,7 +192,7 @@ class AuthConfig(_Model):
 
 class JetStreamService(_Model):
     url: str = "embedded"
-    replicas: int = Field(default=1, ge=1, le=5)
+    replicas: StrictInt = Field(default=1, ge=1, le=5)
     persistence: bool = True
     settings: JetStreamSettings = Field(default_factory=JetStreamSettings)
     bufferConfig: BufferConfig = Field(default_factory=BufferConfig)
@@ -198,7 +206,7 @@ class JetStreamService(_Model):
             return v
         for part in v.split(","):
             part = part.strip()
-            if not re.match(r"^(nats|tls|ws|wss)://[A-Za-z0-9.\-\[\]:@%_]+$", part):
+            if not re.match(r"^(nats|tls|ws|wss)://[A-Za-z0-9.\-\[\]:@%_]+\Z", part):
                 raise ValueError(
                     f"{part!r} is not a NATS URL: use 'embedded' or nats://host:port[,nats://...]"
                 )
@@ -236,8 +244,8 @@ class OnBufferLoss(StrEnum):
 class Limits(_Model):
     """Numaflow's vertex limits. ``bufferUsageLimit`` is a fraction in (0, 1]."""
 
-    readBatchSize: int | None = Field(default=None, ge=1)
-    bufferMaxLength: int | None = Field(default=None, ge=1)
+    readBatchSize: StrictInt | None = Field(default=None, ge=1)
+    bufferMaxLength: StrictInt | None = Field(default=None, ge=1)
     bufferUsageLimit: float | None = None
 
     @field_validator("bufferUsageLimit")
@@ -260,7 +268,7 @@ class JetStreamSource(_Model):
     @field_validator("subject")
     @classmethod
     def _subject(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$", v):
+        if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z", v):
             raise ValueError(f"{v!r} is not a plain NATS subject (tokens of letters, digits, '_' '-' joined by '.')")
         return v
 
@@ -287,8 +295,19 @@ class Source(_Model):
 
 
 class DeltaSink(_Model):
+    """A Delta table. ``path`` is relative to the data dir; an absolute path (another disk, a
+    mount) must be asked for with ``external: true``, so no spec leaves the data dir by accident."""
+
     path: SafePath
     partitionBy: list[str] = Field(default_factory=list)
+    external: bool = False
+
+    @model_validator(mode="after")
+    def _inside(self) -> DeltaSink:
+        if _is_absolute(self.path) and not self.external:
+            raise ValueError(f"path {self.path!r} is outside the data dir: use a relative path, or set "
+                             "'external: true' to write there on purpose")
+        return self
 
 
 class Sink(_Model):
@@ -310,7 +329,7 @@ class OutputMode(StrEnum):
     UPDATE = "update"
 
 
-_COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class Udf(_Model):
@@ -330,7 +349,7 @@ class Udf(_Model):
     @field_validator("transform")
     @classmethod
     def _entry(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+        if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z", v):
             raise ValueError(f"{v!r} must be 'package.module:function'")
         return v
 
@@ -358,7 +377,7 @@ class Vertex(_Model):
     source: Source | None = None
     udf: Udf | None = None
     sink: Sink | None = None
-    partitions: int = 1
+    partitions: StrictInt = Field(default=1, le=MAX_PARTITIONS)
     limits: Limits | None = None
     onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
     onBufferLoss: OnBufferLoss = OnBufferLoss.FAIL
@@ -440,7 +459,7 @@ class QualityRetention(_Model):
     run and the pruning is reported.
     """
 
-    runs: int | None = Field(default=50, ge=1)
+    runs: StrictInt | None = Field(default=50, ge=1)
     maxAge: Duration | None = None
 
 

@@ -65,14 +65,32 @@ _DURATION_UNITS = {
 }
 
 
+#: the longest duration a spec may hold (ten years): beyond it a value is a typo, and NATS' own
+#: limits (nanoseconds in an int64) end at 292 years
+MAX_DURATION = 10 * 365 * 86400.0
+
+
+def _bounded(seconds: float, value: Any) -> float:
+    if not seconds <= MAX_DURATION:
+        raise ValueError(f"must be at most 3650d (ten years), got {_short(value)}")
+    return seconds
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def parse_duration(value: Any) -> float:
     """``"1m30s"`` -> 90.0; numbers are seconds. Raises ValueError with the rule."""
     if isinstance(value, bool):
         raise ValueError("must be a duration such as '30s', '2m' or '72h'")
     if isinstance(value, int | float):
+        if value != value or value in (float("inf"), float("-inf")):  # .nan, .inf
+            raise ValueError(f"must be a finite duration, got {value!r}")
         if value < 0:
             raise ValueError("must be >= 0")
-        return float(value)
+        return _bounded(float(value), value)
     if isinstance(value, str):
         text = value.strip()
         if text in ("0", ""):
@@ -84,8 +102,8 @@ def parse_duration(value: Any) -> float:
             total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
             pos = m.end()
         if pos == len(text) and pos > 0:
-            return total
-    raise ValueError(f"must be a duration such as '30s', '2m' or '72h', got {value!r}")
+            return _bounded(total, value)
+    raise ValueError(f"must be a duration such as '30s', '2m' or '72h', got {_short(value)}")
 
 
 def _parse(text: str) -> tuple[datetime | None, str | None, float]:
