@@ -362,6 +362,8 @@ def test_absolute_sink_path_with_external_is_accepted(tmp_path):
     ("alias-bomb", "".join(f"{k}: &{k} [" + ",".join([f"*{p}" if p else "x"] * 9) + "]\n"
                            for k, p in zip("abcdefg", [None, *"abcdef"], strict=True)) + "h: [*g,*g]\n",
      ["values once aliases are expanded"], 6),
+    ("kind-list", "kind: []\n", ["unknown kind []"], 1),  # found by test_spec_fuzz: an unhashable kind
+    ("kind-map", "kind: {a: 1}\n", ["unknown kind {'a': 1}"], 1),
 ])
 def test_hostile_yaml_is_one_located_problem(tmp_path, name, text, words, line):
     """NUL and control characters, deep nesting and alias bombs: one located problem, at once

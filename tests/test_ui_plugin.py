@@ -617,9 +617,10 @@ def test_runner_heartbeat_records_the_rate_history(site):
     """``PipelineRunner._heartbeat`` writes the status and folds it into ``rates.<vertex>``."""
     from types import SimpleNamespace
 
-    from isbflow.steps.runner import PipelineRunner, StepRun, _Nats
+    from isbflow.isb.connect import SyncSession
+    from isbflow.steps.runner import PipelineRunner, StepRun
 
-    nats = _Nats(site.settings)
+    nats = SyncSession(site.settings)
     try:
         runner = SimpleNamespace(nats=nats, p=SimpleNamespace(name=PIPELINE), metrics=None)
         run = StepRun("beat", status=st.StepStatus("beat", state=st.Observed.RUNNING, input_rows_per_s=50.0,

@@ -353,7 +353,7 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
             kind, name = data.get("kind"), _raw_name(data)
             if kind == "Pipeline":
                 pipelines.append(doc)
-            if kind not in KINDS or name is None:
+            if not isinstance(kind, str) or kind not in KINDS or name is None:
                 continue
             key = f"{kind}/{name}"
             if key in declared:
