@@ -55,8 +55,10 @@ def emit_sink_events(context: Mapping[str, Any], pipeline, data_dir: str | Path,
     ``sinks`` limits the sinks (default: all). Needs the task to have the
     :func:`sinks_alias` outlet. Returns the URIs of the events added.
     """
-    from isbflow.quality.run import sink_table_path
-    from isbflow.sinks.delta import sink_version
+    from isbflow.ops.sinks import (  # Delta and Spark: only when a task ends
+        sink_table_path,
+        sink_version,
+    )
 
     wanted = set(sinks) if sinks is not None else None
     accessor = context["outlet_events"][sinks_alias()]

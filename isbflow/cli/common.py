@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
-from isbflow.isb.connect import IsbUnreachable, NatsSettings, default_data_dir, resolve_settings
+from isbflow.ops.connection import IsbUnreachable, NatsSettings, default_data_dir, resolve_settings
 from isbflow.spec import SpecError, Specs, load_specs
 
 T = TypeVar("T")
@@ -85,6 +85,14 @@ def settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs |
             service = next(iter(specs.services.values()))
     try:
         return resolve_settings(nats_url, data_dir_or_default(data_dir), service)
+    except IsbUnreachable as e:
+        fail(str(e))
+
+
+def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call an ops verb; an unreachable ISB service becomes one line and exit 1."""
+    try:
+        return fn(*args, **kwargs)
     except IsbUnreachable as e:
         fail(str(e))
 

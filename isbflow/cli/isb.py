@@ -20,15 +20,15 @@ from isbflow.cli.common import (
     NatsUrl,
     PipelineName,
     SpecFile,
+    call,
     console,
     fail,
     load_or_exit,
     print_json,
-    run,
     settings_or_exit,
 )
-from isbflow.isb import provision
-from isbflow.isb.connect import NatsSettings
+from isbflow.ops import isb as ops_isb
+from isbflow.ops.connection import NatsSettings
 from isbflow.spec import SpecError, Specs
 
 DRIFT_EXIT = 3
@@ -53,7 +53,7 @@ def _table(names: list[str], *columns: str) -> Table:
 def _open(files, nats_url, data_dir, pipeline) -> tuple[Specs, str, NatsSettings]:
     specs = load_or_exit(files)
     try:
-        name = provision.select_pipeline(specs, pipeline).name
+        name = specs.select(pipeline).name
     except SpecError as e:
         fail(str(e), 2)
     return specs, name, settings_or_exit(nats_url, data_dir, specs, name)
@@ -93,8 +93,8 @@ def apply(
         fail("--force only makes sense with --recreate", 2)
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     try:
-        report = run(provision.apply(settings, specs, name, recreate=recreate, force=force))
-    except provision.ProvisionError as e:
+        report = call(ops_isb.apply, settings, specs, name, recreate=recreate, force=force)
+    except ops_isb.ProvisionError as e:
         if json_out and e.report is not None:
             print_json({**e.report.to_json(), "error": str(e)})
         fail(str(e))
@@ -133,7 +133,7 @@ def diff(
       isbflow isb diff -f pipelines/logs.yaml --json || [ $? -eq 3 ] && echo "drift"
     """
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
-    drifts = run(provision.diff(settings, specs, name))
+    drifts = call(ops_isb.diff, settings, specs, name)
     if json_out:
         print_json({"pipeline": name, "in_sync": not drifts, "drift": [d.to_json() for d in drifts]})
     elif not drifts:
@@ -166,7 +166,7 @@ def status(
     Example: isbflow isb status -f pipelines/logs.yaml
     """
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
-    statuses = run(provision.status(settings, specs, name))
+    statuses = call(ops_isb.status, settings, specs, name)
     if json_out:
         print_json({"pipeline": name, "resources": [s.to_json() for s in statuses]})
         return
@@ -205,11 +205,11 @@ def delete(
     if not yes:
         if sys.stdin is None or not sys.stdin.isatty():
             fail(f"refusing to delete the buffers of pipeline {name} without confirmation: pass --yes", 2)
-        count = len(provision.desired_resources(specs, name))
+        count = ops_isb.planned_count(specs, name)
         if not typer.confirm(f"Delete {count} streams/buckets of pipeline {name} on {settings.display}, "
                              "with all their messages?"):
             fail("nothing deleted", 1)
-    deleted = run(provision.delete(settings, specs, name))
+    deleted = call(ops_isb.delete, settings, specs, name)
     if json_out:
         print_json({"pipeline": name, "deleted": deleted})
     else:

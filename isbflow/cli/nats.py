@@ -14,7 +14,7 @@ import typer
 from rich.table import Table
 
 from isbflow.cli.common import DataDir, JsonOut, console, data_dir_or_default, fail, print_json
-from isbflow.isb.server import (
+from isbflow.ops.nats import (
     EmbeddedNatsError,
     ServerState,
     check_cluster_size,

@@ -68,13 +68,12 @@ def produce(
 
       isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
-    from isbflow.isb.provision import select_pipeline
     from isbflow.ops import produce as P
     from isbflow.spec import SpecError
 
     specs = load_or_exit(file)
     try:
-        p = select_pipeline(specs, pipeline)
+        p = specs.select(pipeline)
         P.source_vertex(p, vertex)
     except (SpecError, ValueError) as e:
         fail(str(e), 2)

@@ -65,37 +65,23 @@ def run_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = None,
     Needs the ISB service (dead letters for completeness, reference tables for
     the expected schema). Exit 1 when a 'fail' gate fails.
     """
-    from pyspark.sql import SparkSession
-
-    from isbflow.quality.run import QualityError, dead_letter_ids, expected_schema, run_quality
-    from isbflow.steps.runner import PipelineRunner, StepError, spark_session
+    from isbflow.ops import quality as ops_quality  # imports Spark: only this command needs it
+    from isbflow.ops.spark import SparkOnDemand
 
     specs, p = pipeline_or_exit(file, pipeline)
     names = _sinks(p, sink)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     dd = data_dir_or_default(data_dir)
-    own_spark = SparkSession.getActiveSession() is None
-    spark = spark_session(master, app_name=f"isbflow-quality-{p.name}")
-    if own_spark:
-        spark.sparkContext.setLogLevel("ERROR")
-    runner = PipelineRunner(spark, specs, p, settings, dd)
-    reports = []
-    try:
-        letters = dead_letter_ids(settings, p.name)
-        for name in names:
-            try:
-                schema = expected_schema(runner, name)
-            except StepError as e:
-                err_console.print(f"sink {name}: expected schema unknown ({e}); schema check skipped")
-                schema = None
-            try:
-                reports.append(run_quality(spark, p, name, dd, dead_letters=letters, schema=schema))
-            except QualityError as e:
-                fail(str(e))
-    finally:
-        runner.close()
-        if own_spark:
-            spark.stop()
+    with SparkOnDemand(master, f"isbflow-quality-{p.name}", log_level="ERROR") as spark_for:
+        try:
+            reports = ops_quality.check_sinks(
+                spark_for(), specs, p, settings, dd, names,
+                on_schema_unknown=lambda name, why: err_console.print(
+                    f"sink {name}: expected schema unknown ({why}); schema check skipped")).reports
+        except ops_quality.QualityError as e:
+            fail(str(e))
+        except ops_quality.Unreachable as e:
+            fail(str(e))
     if json_out:
         print_json([r.to_dict() for r in reports])
     else:
@@ -125,7 +111,7 @@ def reports_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = N
                 limit: Annotated[int, typer.Option(help="At most this many runs.")] = 20,
                 json_out: JsonOut = False) -> None:
     """The history of quality runs, newest first."""
-    from isbflow.quality.reports import list_reports
+    from isbflow.ops.quality import list_reports
 
     _, p = pipeline_or_exit(file, pipeline)
     dd = data_dir_or_default(data_dir)

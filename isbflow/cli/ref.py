@@ -19,15 +19,15 @@ from isbflow.cli.common import (
     NatsUrl,
     PipelineName,
     SpecFile,
+    call,
     console,
     fail,
     load_or_exit,
     print_json,
-    run,
     settings_or_exit,
 )
-from isbflow.isb import reference
-from isbflow.isb.connect import NatsSettings
+from isbflow.ops import ref as reference
+from isbflow.ops.connection import NatsSettings
 from isbflow.spec import SpecError
 from isbflow.spec.models import Pipeline
 
@@ -86,11 +86,10 @@ def read_rows(path: Path, key: str) -> dict[str, dict[str, Any]]:
 
 
 def _open(files, pipeline, name, nats_url, data_dir) -> tuple[Pipeline, str, NatsSettings]:
-    from isbflow.isb.provision import select_pipeline
 
     specs = load_or_exit(files)
     try:
-        p = select_pipeline(specs, pipeline)
+        p = specs.select(pipeline)
         key = reference_key(p, name)
     except (SpecError, ValueError) as e:
         fail(str(e), 2)
@@ -118,7 +117,7 @@ def put(
         reference.check_rows(rows)
     except (ValueError, reference.ReferenceError) as e:
         fail(str(e), 2)
-    counts = run(reference.put(settings, p.name, name, rows, replace=replace))
+    counts = call(reference.put, settings, p.name, name, rows, replace=replace)
     if json_out:
         print_json({"pipeline": p.name, "name": name, **counts})
     else:
@@ -141,7 +140,7 @@ def load(
     """
     p, key, settings = _open(file, pipeline, name, nats_url, data_dir)
     try:
-        rev, table = run(reference.load(settings, p.name, name, key))
+        rev, table = call(reference.load, settings, p.name, name, key)
     except reference.ReferenceError as e:
         fail(str(e))
     if json_out:

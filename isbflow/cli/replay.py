@@ -20,9 +20,8 @@ Exit codes: 0 done and every sink check passed; 1 failed or a check failed;
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -39,6 +38,8 @@ from isbflow.cli.common import (
     print_json,
     settings_or_exit,
 )
+from isbflow.ops import replay as ops_replay
+from isbflow.ops.spark import SparkOnDemand
 
 OFFSET_HELP = ("Source offset (JetStream sequence of the source stream, included): N for the pipeline's only "
                "source, SOURCE:N, SOURCE/PARTITION:N, or a comma list of those. Default: the stream's first "
@@ -93,7 +94,6 @@ def replay(
 
       isbflow replay -f pipelines/logs.yaml --mode reprocess --from-time 2025-01-01T00:00:00Z --to-time 2025-01-01T01:00:00Z
     """
-    from isbflow.isb.provision import select_pipeline
     from isbflow.spec import SpecError
 
     ranged = [o for o, v in (("--from", from_), ("--to", to), ("--from-time", from_time), ("--to-time", to_time),
@@ -105,102 +105,32 @@ def replay(
         fail("--lost: only with --mode recover", 2)
     specs = load_or_exit(file)
     try:
-        p = select_pipeline(specs, pipeline)
+        p = specs.select(pipeline)
     except SpecError as e:
         fail(str(e), 2)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
-    sessions: list[Any] = []
-    session = _session_factory(master, p.name, sessions)
 
     def show(ph) -> None:
         if not json_out:
             console.print(f"  {ph.name:<9} {ph.state:<8} {ph.seconds:7.1f}s", markup=False, highlight=False)
 
-    try:
-        if mode == Mode.RECOVER and dry_run:
-            from isbflow.recovery.plan import plan_recover
-
-            report = plan_recover(session, specs, p, settings, data_dir_or_default(data_dir), lost=lost)
-        elif mode == Mode.RECOVER:
-            report = _recover(session, specs, p, settings, data_dir_or_default(data_dir), lost, show)
-        else:
-            report = _reprocess(session, specs, p, settings, data_dir_or_default(data_dir), show,
-                                from_offset=from_, to_offset=to, from_time=from_time, to_time=to_time,
-                                time_column=time_column, dry_run=dry_run)
-    finally:
-        for s in sessions:
-            s.stop()
+    with SparkOnDemand(master, f"isbflow-replay-{p.name}") as spark_for:
+        try:
+            report = ops_replay.replay(spark_for, specs, p, settings, data_dir_or_default(data_dir),
+                                       mode=mode.value, dry_run=dry_run, lost=lost, from_offset=from_,
+                                       to_offset=to, from_time=from_time, to_time=to_time,
+                                       time_column=time_column, on_phase=show)
+        except ops_replay.ReplayError as e:
+            fail(str(e), 2 if e.usage else 1)
+        except ops_replay.Unreachable as e:
+            fail(str(e))
     if json_out:
         print_json(report.to_json())
-    elif mode == Mode.RECOVER and not dry_run:
-        _summary(report)
     else:
-        console.print(report.summary(), markup=False, highlight=False)
+        for line in ops_replay.summary(report):
+            console.print(line, markup=False, highlight=False)
     if not report.ok:
         raise typer.Exit(1)
-
-
-def _session_factory(master: str, pipeline: str, sessions: list[Any]) -> Callable[[], Any]:
-    """Starts the SparkSession on first call (only when needed); an active one is reused, not stopped."""
-    def session() -> Any:
-        from pyspark.sql import SparkSession
-
-        from isbflow.steps.runner import register_sources, spark_session
-
-        active = SparkSession.getActiveSession()
-        if active is not None:
-            register_sources(active)
-            return active
-        sessions.append(spark_session(master, app_name=f"isbflow-replay-{pipeline}"))
-        return sessions[0]
-
-    return session
-
-
-def _recover(session, specs, p, settings, data_dir, lost, show):
-    from isbflow.recovery.recover import RecoveryError, recover
-
-    try:
-        return recover(session, specs, p, settings, data_dir, lost=lost, on_phase=show)
-    except RecoveryError as e:
-        fail(str(e))
-
-
-def _reprocess(session, specs, p, settings, data_dir, show, **kw):
-    from isbflow.recovery.reprocess import RangeError, ReprocessError, reprocess
-
-    if not any(kw[k] for k in ("from_offset", "to_offset", "from_time", "to_time")):
-        fail("--mode reprocess: give the range to reprocess: --from/--to (source offsets) or "
-             "--from-time/--to-time (event time)", 2)
-    try:
-        return reprocess(session, specs, p, settings, data_dir, on_phase=show, **kw)
-    except RangeError as e:
-        fail(f"reprocess {p.name}: {e}", 2)
-    except ReprocessError as e:
-        fail(f"reprocess {p.name}: {e}")
-
-
-def _summary(r) -> None:
-    out = console.print
-    if r.state == "nothing-lost":
-        out(f"pipeline {r.pipeline}: no buffer lost, nothing to recover ({r.seconds:.1f}s)")
-        return
-    for b in r.lost:
-        rng = "" if b.first is None else f" from sequence {b.first}" + (f" to {b.last}" if b.last else "")
-        out(f"lost {b.stream}{rng}: {b.reason}", markup=False, highlight=False)
-    for part, lo in r.low_offsets.items():
-        out(f"replayed source {part} from sequence {lo['low']}", markup=False, highlight=False)
-    for part, ranges in r.source_lost.items():
-        out(f"LOST AT THE SOURCE {part}: sequences {ranges} (no longer in the source stream)", markup=False)
-    out(f"{r.replayed_records:,} records replayed through {', '.join(r.region)}", markup=False)
-    for s in r.sinks:
-        if s.verified:
-            out(f"sink {s.sink}: {s.rows:,} rows, {s.inserted:,} inserted, {s.dropped:,} duplicates dropped, "
-                f"{s.duplicates} duplicate ids, {s.missing} missing -> {'ok' if s.ok else 'FAILED'}", markup=False)
-        else:
-            out(f"sink {s.sink}: {s.rows:,} rows, {s.inserted:,} windows inserted, {s.dropped:,} kept as they "
-                "were (no _isb_id: unverified; reprocess recomputes it exactly)", markup=False)
-    out(f"{r.state} in {r.seconds:.1f}s", markup=False)
 
 
 def register(app: typer.Typer) -> None:

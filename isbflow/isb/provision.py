@@ -68,7 +68,7 @@ from nats.js.errors import NotFoundError
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.release import interest_hold_consumer
-from isbflow.spec.load import SpecError, SpecProblem, Specs
+from isbflow.spec.load import Specs
 from isbflow.spec.models import Pipeline, Retention, Storage
 
 if TYPE_CHECKING:
@@ -147,13 +147,7 @@ def spec_hash(fields: dict[str, Any]) -> str:
 
 def select_pipeline(specs: Specs, pipeline: str | None = None) -> Pipeline:
     """The named pipeline, or the only one when ``pipeline`` is None (else :class:`SpecError`)."""
-    if pipeline is None:
-        return specs.only_pipeline()
-    if pipeline not in specs.pipelines:
-        files = ", ".join(sorted(set(specs.files.values())))
-        known = ", ".join(sorted(specs.pipelines)) or "none"
-        raise SpecError([SpecProblem(files, "", f"no Pipeline named {pipeline!r} (found: {known})")])
-    return specs.pipelines[pipeline]
+    return specs.select(pipeline)
 
 
 def discard_policy(retention: Retention, max_msgs: int, max_bytes: int) -> DiscardPolicy:

@@ -29,14 +29,11 @@ from typing import Any
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.quality import checks, docs, gx, reports
 from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
+from isbflow.quality.errors import QualityError
 from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
 from isbflow.spec.models import Pipeline, QualityGate, SinkQuality
 
 log = logging.getLogger(__name__)
-
-
-class QualityError(Exception):
-    """A quality run cannot start: no such sink, no table yet, ...; the message says what to do."""
 
 
 def _sink_table(call, *args):

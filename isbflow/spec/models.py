@@ -27,13 +27,12 @@ from pydantic import (
     model_validator,
 )
 
+from isbflow.spec import graph
 from isbflow.spec.expectations import catalog_problems
+from isbflow.spec.names import NAME_PATTERN, VERTEX_ROLES
 from isbflow.spec.times import check_time_expression, parse_duration
 
-# Names end up in stream names, subjects, paths and command lines: keep them to
-# a safe alphabet so no spec value can inject arguments or leave a folder.
 # Every pattern here ends in ``\Z``: ``$`` also matches before a final newline.
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?\Z"
 _NAME_RE = re.compile(NAME_PATTERN)
 #: partitions of one vertex: each is a stream (and a Spark read task); more is a typo, not a design
 MAX_PARTITIONS = 64
@@ -117,7 +116,6 @@ def _one_of_message(what: str, allowed: tuple[str, ...], found: list[str]) -> st
     return f"{need} (found {' and '.join(repr(f) for f in found)})"
 
 
-VERTEX_ROLES = ("source", "udf", "sink")
 SOURCE_KINDS = ("jetstream", "files")
 
 
@@ -567,33 +565,17 @@ class Pipeline(_Model):
 
     def ancestors(self, name: str) -> set[str]:
         """Every vertex with a path to ``name`` (not ``name`` itself, unless on a cycle)."""
-        return self._reach(name, lambda n: [e.from_ for e in self.inputs(n)])
+        from isbflow.spec import (
+            graph,  # graph imports this module's constants: a cycle at import time
+        )
+
+        return graph.reach(name, lambda n: [e.from_ for e in self.inputs(n)])
 
     def descendants(self, name: str) -> set[str]:
         """Every vertex reachable from ``name`` (not ``name`` itself, unless on a cycle)."""
-        return self._reach(name, lambda n: [e.to for e in self.outputs(n)])
-
-    @staticmethod
-    def _reach(name: str, step) -> set[str]:
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            for n in step(todo.pop()):
-                if n not in seen:
-                    seen.add(n)
-                    todo.append(n)
-        return seen
+        return graph.reach(name, lambda n: [e.to for e in self.outputs(n)])
 
     def topological_order(self) -> list[str]:
         """Vertex names, every vertex after all its inputs (the spec has no cycle)."""
-        order: list[str] = []
-        indeg = {v.name: len(self.inputs(v.name)) for v in self.spec.vertices}
-        ready = [v.name for v in self.spec.vertices if indeg[v.name] == 0]
-        while ready:
-            n = ready.pop(0)
-            order.append(n)
-            for e in self.outputs(n):
-                indeg[e.to] -= 1
-                if indeg[e.to] == 0:
-                    ready.append(e.to)
-        return order
+        return graph.topological_order([v.name for v in self.spec.vertices],
+                                       [(e.from_, e.to) for e in self.spec.edges])

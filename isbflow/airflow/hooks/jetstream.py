@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from isbflow.isb.connect import NatsSettings, connect, resolve_settings
+from isbflow.ops.connection import NatsSettings, connect, resolve_settings
 
 if TYPE_CHECKING:
     import nats.aio.client

@@ -18,7 +18,6 @@ attempt normally, so retries apply.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from isbflow.airflow.hooks.jetstream import JetStreamHook
 from isbflow.airflow.pipelines import resolve_pipeline_file
 
 if TYPE_CHECKING:
-    from isbflow.isb.provision import ProvisionReport
+    from isbflow.ops.isb import ProvisionReport
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -78,8 +77,7 @@ class IsbProvisionOperator(BaseOperator):
         self.force = force
 
     def execute(self, context: Any) -> dict:
-        from isbflow.isb import provision
-        from isbflow.isb.connect import IsbUnreachable
+        from isbflow.ops import isb as ops_isb
         from isbflow.spec import SpecError, load_specs
 
         try:
@@ -94,13 +92,13 @@ class IsbProvisionOperator(BaseOperator):
         self.log.info("provisioning %s (pipeline=%s, recreate=%s, force=%s) on %s",
                       path, pipeline or "all", recreate, force, settings.display)
         try:
-            report = asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force))
-        except IsbUnreachable as e:
+            report = ops_isb.apply(settings, specs, pipeline, recreate=recreate, force=force)
+        except ops_isb.Unreachable as e:
             raise RuntimeError(str(e)) from None
-        except (SpecError, provision.ProvisionError) as e:
+        except (SpecError, ops_isb.ProvisionError) as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("pipeline %s, changed: %s\n%s", report.pipeline, report.changed, report_table(report))
-        refused = [r for r in report.resources if r.action == provision.Action.REFUSED]
+        refused = [r for r in report.resources if r.action == ops_isb.Action.REFUSED]
         for r in report.pending:
             self.log.warning("%s %s: %s: %s", r.kind, r.name, r.action.value, r.message)
         if refused:

@@ -48,10 +48,10 @@ def _as_list(value: Any) -> list[str] | None:
 
 def sink_summary(report: Any, data_dir: Path) -> dict[str, Any]:
     """The XCom view of one :class:`~isbflow.quality.run.QualityReport`: verdict and where to read more."""
-    from isbflow.quality.reports import reports_root
+    from isbflow.spec.paths import DataDir
 
     rel = f"{report.pipeline}/{report.sink}/{report.run_id}.json"
-    root = reports_root(data_dir)
+    root = DataDir(data_dir).quality_reports
     return {
         "pipeline": report.pipeline, "sink": report.sink, "run_id": report.run_id, "success": report.success,
         "gate": report.gate, "gate_failed": report.gate_failed, "table_version": report.table_version,
@@ -107,25 +107,18 @@ class PipelineQualityOperator(PipelineOperatorBase):
         return [(t, wanted)]
 
     def execute(self, context: Any) -> dict:
-        from pyspark.sql import SparkSession
-
-        from isbflow.steps.runner import spark_session
+        from isbflow.ops.spark import (
+            SparkOnDemand,  # imports Spark: only at run time, never at DAG parse
+        )
 
         targets = self.targets(context)
-        own = SparkSession.getActiveSession() is None
-        spark = spark_session(self.master, app_name="isbflow-quality")
-        if own:
-            spark.sparkContext.setLogLevel("WARN")
         results: list[dict[str, Any]] = []
         skipped: list[dict[str, str]] = []
-        try:
+        with SparkOnDemand(self.master, "isbflow-quality") as spark_for:
             for t, sinks in targets:
-                r, s = self._check(spark, t, sinks)
+                r, s = self._check(spark_for(), t, sinks)
                 results += r
                 skipped += s
-        finally:
-            if own:
-                spark.stop()
         out = {"sinks": results, "skipped": skipped,
                "failed": [f"{r['pipeline']}/{r['sink']}" for r in results if r["gate_failed"]],
                "warned": [f"{r['pipeline']}/{r['sink']}" for r in results if not r["success"] and not r["gate_failed"]]}
@@ -151,34 +144,20 @@ class PipelineQualityOperator(PipelineOperatorBase):
         return out
 
     def _check(self, spark: Any, t: PipelineTarget, sinks: list[str]) -> tuple[list[dict], list[dict]]:
-        from isbflow.isb.connect import IsbUnreachable
-        from isbflow.quality.run import QualityError, dead_letter_ids, expected_schema, run_quality
-        from isbflow.steps.runner import PipelineRunner, StepError
+        from isbflow.ops import quality as ops_quality  # imports Spark: only at run time
 
         p = t.pipeline
-        results, skipped = [], []
         try:
-            letters = dead_letter_ids(t.settings, p.name)
-            runner = PipelineRunner(spark, t.specs, p, t.settings, t.data_dir)
-        except IsbUnreachable as e:
+            run = ops_quality.check_sinks(
+                spark, t.specs, p, t.settings, t.data_dir, sinks, skip_unchecked=True,
+                on_schema_unknown=lambda sink, why: self.log.warning(
+                    "sink %s/%s: expected schema unknown (%s); schema check skipped", p.name, sink, why))
+        except ops_quality.Unreachable as e:
             raise RuntimeError(str(e)) from None
-        try:
-            for sink in sinks:
-                try:
-                    schema = expected_schema(runner, sink)
-                except StepError as e:
-                    self.log.warning("sink %s/%s: expected schema unknown (%s); schema check skipped", p.name, sink, e)
-                    schema = None
-                try:
-                    report = run_quality(spark, p, sink, t.data_dir, dead_letters=letters, schema=schema)
-                except QualityError as e:
-                    self.log.warning("sink %s/%s skipped: %s", p.name, sink, e)
-                    skipped.append({"pipeline": p.name, "sink": sink, "reason": str(e)})
-                    continue
-                results.append(sink_summary(report, t.data_dir))
-        finally:
-            runner.close()
-        return results, skipped
+        for sink, why in run.skipped:
+            self.log.warning("sink %s/%s skipped: %s", p.name, sink, why)
+        skipped = [{"pipeline": p.name, "sink": sink, "reason": why} for sink, why in run.skipped]
+        return [sink_summary(report, t.data_dir) for report in run.reports], skipped
 
 
 def _failures(r: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ Spark runs in the task's process (``master``), started only when needed.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -37,9 +37,10 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.assets import emit_sink_events, sinks_alias
 from isbflow.airflow.operators.isb import as_bool
-from isbflow.airflow.operators.pipeline import PipelineOperatorBase, PipelineTarget
+from isbflow.airflow.operators.pipeline import PipelineOperatorBase
+from isbflow.ops import replay as ops_replay
+from isbflow.ops.spark import SparkOnDemand
 
-MODES = ("recover", "reprocess")
 _EMPTY = ("", "none", "null")
 
 
@@ -148,31 +149,38 @@ class PipelineReplayOperator(PipelineOperatorBase):
         self.drain_timeout = drain_timeout
 
     def execute(self, context: Any) -> dict:
-        from isbflow.isb.connect import IsbUnreachable
 
         mode = str(self.mode).strip().lower()
-        if mode not in MODES:
-            raise AirflowFailException(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if mode not in ops_replay.MODES:
+            raise AirflowFailException(f"mode {self.mode!r} is not one of {', '.join(ops_replay.MODES)}")
         t = self.target()
         rng = parse_range(self.from_offset, self.to_offset, self.from_time, self.to_time, *reference_times(context))
         dry = as_bool(self.dry_run)
         self.log.info("replay of pipeline %s (%s): mode %s, range %s, dry run %s", t.pipeline.name, t.path, mode,
                       rng.to_json(), dry)
-        sessions: list[Any] = []
-        try:
-            if mode == "recover":
-                result = self._recover(t, rng, dry, self._session_factory(t, sessions))
-            else:
-                result = self._reprocess(t, rng, dry, self._session_factory(t, sessions))
-        except IsbUnreachable as e:
-            raise RuntimeError(str(e)) from None  # retries apply
-        finally:
-            for s in sessions:
-                s.stop()
+        if mode == "recover" and not rng.empty:
+            raise AirflowFailException(
+                f"mode recover takes no range (got {rng.to_json()}): it replays from the offset ledger's low "
+                "offsets. Use mode reprocess to run a range again.")
+
+        def on_phase(ph: Any) -> None:
+            self.log.info("%s %s: %s %s (%.1fs)", mode, t.pipeline.name, ph.name, ph.state, ph.seconds)
+
+        with SparkOnDemand(self.master, f"isbflow-replay-{t.pipeline.name}") as spark_for:
+            try:
+                result = ops_replay.replay(
+                    spark_for, t.specs, t.pipeline, t.settings, t.data_dir, mode=mode, dry_run=dry,
+                    from_offset=rng.from_offset, to_offset=rng.to_offset, from_time=rng.from_time,
+                    to_time=rng.to_time, drain_timeout=self.drain_timeout if mode == "recover" else None,
+                    on_phase=on_phase)
+            except ops_replay.Unreachable as e:
+                raise RuntimeError(str(e)) from None  # retries apply
+            except ops_replay.ReplayError as e:
+                raise AirflowFailException(str(e)) from None
         report = json.loads(json.dumps(result.to_json(), default=str))
         report["replay_mode"] = mode
         report["replay_range"] = rng.to_json()  # as asked, times resolved against this run
-        summary = describe(result)
+        summary = "\n".join(ops_replay.summary(result))
         self.log.info("%s", summary)
         changed = not dry and report.get("state") != "nothing-lost"
         if changed:
@@ -182,81 +190,3 @@ class PipelineReplayOperator(PipelineOperatorBase):
             raise AirflowFailException(f"replay of pipeline {t.pipeline.name} ({mode}) did not pass its checks:\n"
                                        f"{summary}")
         return report
-
-    def _session_factory(self, t: PipelineTarget, sessions: list[Any]) -> Callable[[], Any]:
-        """A function starting this task's SparkSession on first call (reusing an active one)."""
-        def session() -> Any:
-            from pyspark.sql import SparkSession
-
-            from isbflow.steps.runner import spark_session
-
-            active = SparkSession.getActiveSession()
-            if active is not None:
-                return active
-            s = spark_session(self.master, app_name=f"isbflow-replay-{t.pipeline.name}")
-            s.sparkContext.setLogLevel("WARN")
-            sessions.append(s)
-            return s
-
-        return session
-
-    def _recover(self, t: PipelineTarget, rng: ReplayRange, dry: bool, session: Callable[[], Any]) -> Any:
-        from isbflow.recovery.plan import plan_recover
-        from isbflow.recovery.recover import RecoveryError, recover
-
-        if not rng.empty:
-            raise AirflowFailException(
-                f"mode recover takes no range (got {rng.to_json()}): it replays from the offset ledger's low "
-                "offsets. Use mode reprocess to run a range again.")
-        if dry:
-            return plan_recover(session, t.specs, t.pipeline, t.settings, t.data_dir)
-        try:
-            return recover(session, t.specs, t.pipeline, t.settings, t.data_dir, drain_timeout=self.drain_timeout,
-                           on_phase=lambda ph: self.log.info("recover %s: %s %s (%.1fs)", t.pipeline.name,
-                                                             ph.name, ph.state, ph.seconds))
-        except RecoveryError as e:
-            raise AirflowFailException(str(e)) from None
-
-    def _reprocess(self, t: PipelineTarget, rng: ReplayRange, dry: bool, session: Callable[[], Any]) -> Any:
-        try:
-            from isbflow.recovery.reprocess import ReprocessError, reprocess
-        except ModuleNotFoundError as e:
-            if e.name != "isbflow.recovery.reprocess":
-                raise
-            raise AirflowFailException(
-                "mode reprocess is not available yet: this isbflow has no isbflow.recovery.reprocess; "
-                "use mode recover to refill what buffer loss took") from None
-        try:  # RangeError (a range that cannot be reprocessed) is a ReprocessError
-            return reprocess(session, t.specs, t.pipeline, t.settings, t.data_dir, from_offset=rng.from_offset,
-                             to_offset=rng.to_offset, from_time=rng.from_time, to_time=rng.to_time, dry_run=dry,
-                             on_phase=lambda ph: self.log.info("reprocess %s: %s %s (%.1fs)", t.pipeline.name,
-                                                               ph.name, ph.state, ph.seconds))
-        except ReprocessError as e:
-            raise AirflowFailException(str(e)) from None
-
-
-def describe(result: Any) -> str:
-    """The task log's account of a replay: the report's own ``summary()``, else a recovery summary."""
-    from isbflow.recovery.recover import RecoveryReport
-
-    if isinstance(result, RecoveryReport):
-        return recovery_summary(result)
-    if callable(getattr(result, "summary", None)):
-        return str(result.summary())
-    return json.dumps(result.to_json(), default=str, indent=1)[:4000]
-
-
-def recovery_summary(report: Any) -> str:
-    """A :class:`~isbflow.recovery.recover.RecoveryReport` in a few lines for the task log."""
-    if report.state == "nothing-lost":
-        return f"pipeline {report.pipeline}: no buffer lost, nothing to recover ({report.seconds:.1f}s)"
-    lines = [f"pipeline {report.pipeline}: {report.state} in {report.seconds:.1f}s"]
-    lines += [f"  lost {b.stream}: {b.reason}" for b in report.lost]
-    lines += [f"  replayed source {part} from sequence {lo['low']}" for part, lo in report.low_offsets.items()]
-    lines += [f"  LOST AT THE SOURCE {part}: sequences {r}" for part, r in report.source_lost.items()]
-    lines.append(f"  {report.replayed_records:,} records replayed through {', '.join(report.region)}")
-    for s in report.sinks:
-        verdict = ("ok" if s.ok else "FAILED") if s.verified else "unverified (no _isb_id)"
-        lines.append(f"  sink {s.sink}: {s.rows:,} rows, {s.inserted:,} inserted, {s.dropped:,} dropped, "
-                     f"{s.duplicates} duplicate ids, {s.missing} missing: {verdict}")
-    return "\n".join(lines)

@@ -21,7 +21,6 @@ written before the task fails too.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +28,12 @@ from airflow.providers.standard.operators.branch import BranchMixIn
 from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.operators.pipeline import PipelineOperatorBase
-from isbflow.recovery.watchdog import DEFAULT_LAG_GROWTH_RUNS
-from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE
+from isbflow.ops import watch
+from isbflow.ops.watch import (
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_LAG_GROWTH_RUNS,
+    DEFAULT_STARTUP_GRACE,
+)
 
 
 class PipelineWatchdogOperator(PipelineOperatorBase, BranchMixIn):
@@ -59,18 +62,13 @@ class PipelineWatchdogOperator(PipelineOperatorBase, BranchMixIn):
         self.recover_task_id = recover_task_id
 
     def execute(self, context: Any) -> dict:
-        from isbflow.isb.connect import IsbUnreachable
-        from isbflow.recovery.watchdog import watch
-        from isbflow.steps.launch import read_launch
-
         t = self.target()
         p = t.pipeline
         try:
-            report = asyncio.run(watch(t.settings, p, t.data_dir, heartbeat_timeout=float(self.heartbeat_timeout),
-                                       startup_grace=float(self.startup_grace),
-                                       lag_growth_runs=int(self.lag_growth_runs),
-                                       launch=read_launch(t.data_dir, p.name)))
-        except IsbUnreachable as e:
+            report = watch.watchdog(t.settings, p, t.data_dir, heartbeat_timeout=float(self.heartbeat_timeout),
+                                    startup_grace=float(self.startup_grace),
+                                    lag_growth_runs=int(self.lag_growth_runs))
+        except watch.Unreachable as e:
             raise RuntimeError(str(e)) from None
         out = report.to_json()
         summary = report.summary()

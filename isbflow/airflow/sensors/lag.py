@@ -13,7 +13,6 @@ each buffer's lag at the end.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -60,19 +59,12 @@ class PipelineLagSensor(BaseSensorOperator):
                               self.data_dir or None)
 
     def _look(self, t: PipelineTarget) -> dict[str, Any]:
-        from isbflow.isb.connect import IsbUnreachable, connect
-        from isbflow.steps.lag import pipeline_lag
-
-        async def once() -> list[Any]:
-            nc = await connect(t.settings, name="isbflow-lag-sensor")
-            try:
-                return await pipeline_lag(nc, t.pipeline, self.include_sources)
-            finally:
-                await nc.close()
+        from isbflow.ops import watch
 
         try:
-            event = lag_event(asyncio.run(once()), int(self.max_lag))
-        except IsbUnreachable as e:
+            event = lag_event(watch.lag(t.settings, t.pipeline, self.include_sources, name="isbflow-lag-sensor"),
+                              int(self.max_lag))
+        except watch.Unreachable as e:
             raise RuntimeError(str(e)) from None
         self.log.info("pipeline %s: largest lag %s (waiting for <= %s): %s", t.pipeline.name, event["worst"],
                       self.max_lag, event["lags"])

@@ -23,7 +23,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from isbflow.airflow.hooks.jetstream import JetStreamHook
 from isbflow.airflow.operators.pipeline import PipelineTarget, resolve_target
 from isbflow.airflow.triggers.pipeline import PipelineStateTrigger
-from isbflow.steps.launch import (
+from isbflow.ops import watch
+from isbflow.ops.watch import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_STARTUP_GRACE,
     LaunchRecord,
@@ -66,31 +67,15 @@ class PipelineStateSensor(BaseSensorOperator):
         self.deferrable = deferrable
 
     def _target(self) -> tuple[PipelineTarget, LaunchRecord | None]:
-        from isbflow.steps.launch import read_launch
-
         t = resolve_target(self.pipeline_file, self.pipelines_dir, self.pipeline or None, self.nats_conn_id,
                            self.data_dir or None)
-        return t, read_launch(t.data_dir, t.pipeline.name) if self.watch_launch else None
+        return t, watch.read_launch(t.data_dir, t.pipeline.name) if self.watch_launch else None
 
     def _check(self, t: PipelineTarget, launch: LaunchRecord | None) -> StateCheck:
-        import asyncio
-
-        from isbflow.isb.connect import IsbUnreachable, connect
-        from isbflow.steps.launch import observe_state
-
-        vertices = list(launch.steps) if launch and launch.steps else t.pipeline.topological_order()
-
-        async def once() -> StateCheck:
-            nc = await connect(t.settings, name="isbflow-airflow-sensor")
-            try:
-                return await observe_state(nc, t.pipeline.name, vertices, self.target_state, launch,
-                                           self.heartbeat_timeout, self.startup_grace)
-            finally:
-                await nc.close()
-
         try:
-            check = asyncio.run(once())
-        except IsbUnreachable as e:
+            check = watch.state(t.settings, t.pipeline, self.target_state, launch, self.heartbeat_timeout,
+                                self.startup_grace, name="isbflow-airflow-sensor")
+        except watch.Unreachable as e:
             raise RuntimeError(str(e)) from None
         self.log.info("pipeline %s, waiting for %s: %s", t.pipeline.name, self.target_state, check.steps)
         return check

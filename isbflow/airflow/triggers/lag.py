@@ -58,29 +58,33 @@ class PipelineLagTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from isbflow.isb.connect import IsbUnreachable, connect
+        from isbflow.ops import watch
         from isbflow.spec import SpecError, load_specs
-        from isbflow.steps.lag import pipeline_lag
+
+        def problem(e: Exception) -> TriggerEvent:
+            return TriggerEvent({"done": False, "problem": f"cannot watch the lag of pipeline {self.pipeline!r}: {e}"})
 
         try:
             specs = load_specs([self.spec_file])
             p = specs.pipelines[self.pipeline]
             hook = JetStreamHook(self.nats_conn_id, data_dir=self.data_dir)
-            nc = await connect(await hook.aget_settings(specs.service_for(p)), name="isbflow-lag-trigger")
-        except (SpecError, KeyError, IsbUnreachable) as e:
-            yield TriggerEvent({"done": False, "problem": f"cannot watch the lag of pipeline {self.pipeline!r}: {e}"})
+            settings = await hook.aget_settings(specs.service_for(p))
+        except (SpecError, KeyError, watch.Unreachable) as e:
+            yield problem(e)
             return
         last = None
         try:
-            while True:
-                event = lag_event(await pipeline_lag(nc, p, self.include_sources), self.max_lag)
-                if event["worst"] != last:
-                    self.log.info("pipeline %s: largest lag %s (waiting for <= %s): %s", p.name, event["worst"],
-                                  self.max_lag, event["lags"])
-                    last = event["worst"]
-                if event["done"]:
-                    yield TriggerEvent(event)
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await nc.close()
+            async with watch.session(settings, name="isbflow-lag-trigger") as nc:
+                while True:
+                    event = lag_event(await watch.pipeline_lag(nc, p, self.include_sources), self.max_lag)
+                    if event["worst"] != last:
+                        self.log.info("pipeline %s: largest lag %s (waiting for <= %s): %s", p.name,
+                                      event["worst"], self.max_lag, event["lags"])
+                        last = event["worst"]
+                    if event["done"]:
+                        break
+                    await asyncio.sleep(self.poll_interval)
+        except watch.Unreachable as e:
+            yield problem(e)
+            return
+        yield TriggerEvent(event)

@@ -23,7 +23,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from isbflow.airflow.hooks.jetstream import JetStreamHook
-from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE
+from isbflow.ops.watch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE
 
 
 class PipelineStateTrigger(BaseTrigger):
@@ -62,31 +62,34 @@ class PipelineStateTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from isbflow.isb.connect import IsbUnreachable, connect
+        from isbflow.ops import watch
         from isbflow.spec import SpecError, load_specs
-        from isbflow.steps.launch import LaunchRecord, StateCheck, observe_state
 
-        launch = LaunchRecord.from_json(self.launch) if self.launch else None
+        launch = watch.LaunchRecord.from_json(self.launch) if self.launch else None
         try:
             specs = load_specs([self.spec_file])
             p = specs.pipelines[self.pipeline]
             hook = JetStreamHook(self.nats_conn_id, data_dir=self.data_dir)
-            nc = await connect(await hook.aget_settings(specs.service_for(p)), name="isbflow-trigger")
-        except (SpecError, KeyError, IsbUnreachable) as e:
-            yield TriggerEvent(StateCheck(False, f"cannot watch pipeline {self.pipeline!r}: {e}", {}).to_json())
+            settings = await hook.aget_settings(specs.service_for(p))
+        except (SpecError, KeyError, watch.Unreachable) as e:
+            yield TriggerEvent(watch.StateCheck(False, f"cannot watch pipeline {self.pipeline!r}: {e}",
+                                                {}).to_json())
             return
-        vertices = list(launch.steps) if launch and launch.steps else p.topological_order()
+        vertices = watch.watched_steps(p, launch)
         last: dict[str, str] | None = None
         try:
-            while True:
-                check = await observe_state(nc, p.name, vertices, self.target_state, launch,
-                                            self.heartbeat_timeout, self.startup_grace)
-                if check.steps != last:
-                    self.log.info("pipeline %s, waiting for %s: %s", p.name, self.target_state, check.steps)
-                    last = check.steps
-                if check.done or check.problem:
-                    yield TriggerEvent(check.to_json())
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await nc.close()
+            async with watch.session(settings, name="isbflow-trigger") as nc:
+                while True:
+                    check = await watch.observe_state(nc, p.name, vertices, self.target_state, launch,
+                                                      self.heartbeat_timeout, self.startup_grace)
+                    if check.steps != last:
+                        self.log.info("pipeline %s, waiting for %s: %s", p.name, self.target_state, check.steps)
+                        last = check.steps
+                    if check.done or check.problem:
+                        break
+                    await asyncio.sleep(self.poll_interval)
+        except watch.Unreachable as e:
+            yield TriggerEvent(watch.StateCheck(False, f"cannot watch pipeline {self.pipeline!r}: {e}",
+                                                {}).to_json())
+            return
+        yield TriggerEvent(check.to_json())

@@ -64,7 +64,7 @@ def page_csp(nonce: str) -> str:
 
 def data_dir() -> Path:
     """isbflow's data folder, found as every ``isbflow`` command finds it (``ISBFLOW_HOME``)."""
-    from isbflow.isb.connect import default_data_dir
+    from isbflow.ops.connection import default_data_dir
 
     return default_data_dir().resolve()
 
@@ -116,7 +116,7 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
         return HTMLResponse(html, status_code=exc.status_code, headers=headers)
 
     async def pipelines_data(request: Request, pipeline: str | None, dag_id: str | None) -> PipelinesResponse:
-        from isbflow.isb.connect import connect
+        from isbflow.ops.connection import connect
 
         _, ui = bases(request)
         directory = pipelines_dir(anchor_file)
@@ -161,9 +161,9 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
         directory = pipelines_dir(anchor_file)
         names = [p.name for s in collect.load_all(directory, pipeline_files(directory)) for p in s.pipelines]
         wanted = [pipeline] if pipeline else collect.report_pipelines(ddir, names)
-        from isbflow.quality.reports import reports_root
+        from isbflow.spec.paths import DataDir
 
-        return QualityResponse(reports_dir=str(reports_root(ddir)),
+        return QualityResponse(reports_dir=str(DataDir(ddir).quality_reports),
                                sinks=collect.quality_runs(ddir, wanted, base, sink, limit))
 
     def page(template: str, request: Request, **context: Any) -> HTMLResponse:
@@ -215,7 +215,7 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
 
 def resolve_report(path: str) -> Path:
     """The stored report file ``path`` names; 400 when it would leave the reports folder, else 404."""
-    from isbflow.quality.reports import UnsafeReportPath, report_path
+    from isbflow.ops.quality import UnsafeReportPath, report_path
 
     try:
         target = report_path(data_dir(), path)

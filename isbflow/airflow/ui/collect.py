@@ -25,14 +25,13 @@ from isbflow.airflow.ui.models import (
     SinkRuns,
     StepView,
 )
-from isbflow.isb import naming
-from isbflow.isb import state as st
+from isbflow.ops import status
+from isbflow.ops.status import LIVE_STATES, StepStatus, naming
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.models import Pipeline
 
 log = logging.getLogger(__name__)
 
-LIVE_STATES = {st.Observed.STARTING.value, st.Observed.RUNNING.value, st.Observed.DRAINING.value}
 HOUR_S = 3600.0
 NATS_TIMEOUT_S = 10.0  # for everything read from NATS for one pipeline
 
@@ -63,7 +62,7 @@ def load_all(directory: Path, files: list[str]) -> list[LoadedSpec]:
     return out
 
 
-def step_view(p: Pipeline, vertex: str, status: st.StepStatus | None, desired: str | None,
+def step_view(p: Pipeline, vertex: str, status: StepStatus | None, desired: str | None,
               rates: list[dict[str, float]], now: float, stale_after: float) -> StepView:
     """One step as the page shows it (``state`` ``unknown`` when it never reported)."""
     v = p.vertex(vertex)
@@ -89,7 +88,7 @@ def step_view(p: Pipeline, vertex: str, status: st.StepStatus | None, desired: s
     return view
 
 
-def edge_views(p: Pipeline, statuses: dict[str, st.StepStatus | None]) -> list[EdgeView]:
+def edge_views(p: Pipeline, statuses: dict[str, StepStatus | None]) -> list[EdgeView]:
     """Every edge with its partition streams and the lag the consuming step reports for each."""
     edges: dict[tuple[str, str], EdgeView] = {}
     keys = {(e.from_, e.to): e.partitionKey for e in p.spec.edges}
@@ -113,32 +112,18 @@ def static_view(file: str, p: Pipeline) -> PipelineView:
 
 async def read_status(nc: Any, view: PipelineView, p: Pipeline, stale_after: float) -> None:
     """Fill ``view`` with what the pipeline's status and control buckets and DLQ stream hold."""
-    from nats.js.errors import BucketNotFoundError
-
-    from isbflow.isb.read import stream_state
-
-    order = p.topological_order()
     try:
-        statuses = await st.all_status(nc, p.name, order)
-    except BucketNotFoundError:
-        view.nats_error = (f"no status bucket {naming.status_bucket(p.name)} on the ISB service: "
-                           "the pipeline is not provisioned yet (run the isb_provision DAG)")
+        state = await status.read(nc, p)
+    except status.NotProvisioned as e:
+        view.nats_error = str(e)
         return
-    try:
-        desired: dict[str, str | None] = {v: (await st.get_desired(nc, p.name, v)).value for v in order}
-    except BucketNotFoundError:
-        desired = dict.fromkeys(order)
-    rates = {v: await st.get_rates(nc, p.name, v) for v in order}
     now = time.time()
-    view.steps = [step_view(p, v, statuses[v], desired[v], rates[v], now, stale_after) for v in order]
-    view.edges = edge_views(p, statuses)
-    dlq = await stream_state(nc, naming.dlq_stream(p.name))
-    view.dlq_messages = dlq.messages if dlq is not None else None
-    from isbflow.recovery.status import last_recovery, recovery_line
-
-    recovery = await last_recovery(nc, p.name)
-    if recovery:
-        view.recovery, view.recovery_state = recovery_line(recovery, now), recovery.get("state")
+    order = p.topological_order()
+    view.steps = [step_view(p, v, state.statuses[v], state.desired[v], state.rates[v], now, stale_after)
+                  for v in order]
+    view.edges = edge_views(p, state.statuses)
+    view.dlq_messages = state.dlq_messages
+    view.recovery, view.recovery_state = state.recovery, state.recovery_state
 
 
 async def pipeline_views(loaded: list[LoadedSpec], connect: Any, stale_after: float) -> list[PipelineView]:
@@ -181,9 +166,9 @@ def one_line(e: BaseException) -> str:
 
 def report_pipelines(data_dir: Path, names: list[str]) -> list[str]:
     """Pipelines to list reports for: those of the specs plus any with a reports folder."""
-    from isbflow.quality import reports
+    from isbflow.spec.paths import DataDir
 
-    root = reports.reports_root(data_dir)
+    root = DataDir(data_dir).quality_reports
     found = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")} if root.is_dir() else set()
     return sorted(set(names) | found)
 
@@ -195,7 +180,7 @@ def _segments_url(base: str, *parts: str) -> str:
 def quality_runs(data_dir: Path, pipelines: list[str], base: str, sink: str | None = None,
                  limit: int = 20) -> list[SinkRuns]:
     """Per pipeline and sink, its newest ``limit`` quality runs, newest first."""
-    from isbflow.quality import reports
+    from isbflow.ops import quality as reports
 
     out: list[SinkRuns] = []
     for name in pipelines:

@@ -1,0 +1,19 @@
+"""Where the ISB service is and how to reach it, for the faces (CLI, Airflow, platform).
+
+The settings types and their resolution live in :mod:`isbflow.isb.connect`;
+this is the use-case layer's view of them, so no face reaches below ``ops/``.
+"""
+
+from __future__ import annotations
+
+from isbflow.isb.connect import (
+    IsbUnreachable,
+    NatsSettings,
+    connect,
+    default_data_dir,
+    resolve_settings,
+    run_with,
+    session,
+)
+
+__all__ = ["IsbUnreachable", "NatsSettings", "connect", "default_data_dir", "resolve_settings", "run_with", "session"]

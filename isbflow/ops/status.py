@@ -1,0 +1,62 @@
+"""A pipeline's live state as one record: step heartbeats, desired states, rates, dead letters, last recovery.
+
+What the Pipelines page shows and ``status`` commands print. Async: read on one open connection
+(the page reads several pipelines inside its own timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from isbflow.isb import naming
+from isbflow.isb import state as st
+from isbflow.isb.read import stream_state
+from isbflow.recovery.status import last_recovery, recovery_line
+from isbflow.spec.models import Pipeline
+
+__all__ = ["LIVE_STATES", "NotProvisioned", "PipelineState", "Observed", "StepStatus", "naming", "read"]
+
+Observed = st.Observed
+StepStatus = st.StepStatus
+LIVE_STATES = {st.Observed.STARTING.value, st.Observed.RUNNING.value, st.Observed.DRAINING.value}
+
+
+class NotProvisioned(Exception):
+    """The pipeline has no status bucket on the ISB service yet."""
+
+
+@dataclass
+class PipelineState:
+    statuses: dict[str, StepStatus | None]
+    desired: dict[str, str | None]
+    rates: dict[str, list] = field(default_factory=dict)
+    dlq_messages: int | None = None
+    recovery: str | None = None
+    recovery_state: str | None = None
+
+
+async def read(nc: Any, p: Pipeline) -> PipelineState:
+    """Everything the status and control buckets and the dead-letter stream hold for ``p``."""
+    from nats.js.errors import (
+        BucketNotFoundError,  # nats-py's error types, lazily like every nats import
+    )
+
+    order = p.topological_order()
+    try:
+        statuses = await st.all_status(nc, p.name, order)
+    except BucketNotFoundError:
+        raise NotProvisioned(f"no status bucket {naming.status_bucket(p.name)} on the ISB service: the pipeline "
+                             "is not provisioned yet (run the isb_provision DAG)") from None
+    try:
+        desired: dict[str, str | None] = {v: (await st.get_desired(nc, p.name, v)).value for v in order}
+    except BucketNotFoundError:
+        desired = dict.fromkeys(order)
+    out = PipelineState(statuses, desired, {v: await st.get_rates(nc, p.name, v) for v in order})
+    dlq = await stream_state(nc, naming.dlq_stream(p.name))
+    out.dlq_messages = dlq.messages if dlq is not None else None
+    recovery = await last_recovery(nc, p.name)
+    if recovery:
+        out.recovery, out.recovery_state = recovery_line(recovery, time.time()), recovery.get("state")
+    return out
