@@ -25,6 +25,7 @@ run: venv
 
 test: venv
 	@scripts/ensure-chromium
+	@scripts/ensure-postgres
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

@@ -549,7 +549,7 @@ def summarize(r: dict, sampler) -> None:
                           "(Python daemon and workers), sampled every 0.5 s; shared pages of forked "
                           "workers count once per process (the PSS sum beside it counts them once)",
     }
-    r["targets"] = [{"key": k, "label": label, "value": r[k], "target": f"{op} {bound:g}",
+    r["targets"] = [{"key": k, "label": label, "value": r[k], "target": f"{op} {bound:g}", "op": op, "bound": bound,
                      "met": None if r[k] is None else (r[k] >= bound if op == ">=" else r[k] <= bound)}
                     for k, label, op, bound in TARGETS]
     r["notes"] = [

@@ -137,34 +137,6 @@ def run_available_now(spark, specs: Specs, p: Pipeline, settings: NatsSettings, 
         runner.close()
 
 
-class PatientRunner(PipelineRunner):
-    """The runner, waiting before it restarts a query that missed Spark's connect-back window,
-    and trying more often.
-
-    The runner restarts such a query at once, three times; but the Python process of the
-    failed attempt goes on loading for up to 15 s more (its own auth timeout), so on a loaded
-    machine immediate restarts pile those processes up and each attempt loads slower than
-    the last (measured here: ``import pyspark.sql.streaming`` in the source runner took
-    1.8 s, then 7, 10, 16, 20, 29 and 35 s over consecutive attempts). Waiting lets them
-    finish first.
-    """
-
-    BACKOFF_S = 10.0
-    MAX_RESTARTS = 6
-
-    def _restart_if_transient(self, run, rq, exc) -> bool:
-        from isbflow.steps.runner import TRANSIENT_FAILURES
-
-        if rq.restarts >= self.MAX_RESTARTS or not any(m in str(exc) for m in TRANSIENT_FAILURES):
-            return False
-        time.sleep(self.BACKOFF_S * (rq.restarts + 1))
-        rq.restarts += 1
-        if run.status is not None:
-            run.status.restarts += 1
-        rq.query = rq.writer.start()
-        return True
-
-
 class ContinuousRun:
     """The pipeline's steps running continuously in threads of this process (the tests' SparkSession).
 
@@ -179,7 +151,7 @@ class ContinuousRun:
     def __init__(self, spark, specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path,
                  processing_time: str = "500 milliseconds", staggered: bool = True, startup_timeout: float = 300.0):
         groups: list[list[str] | None] = [[v] for v in p.topological_order()] if staggered else [None]
-        self.runners = [(PatientRunner(spark, specs, p, settings, data_dir, processing_time=processing_time), g)
+        self.runners = [(PipelineRunner(spark, specs, p, settings, data_dir, processing_time=processing_time), g)
                         for g in groups]
         self.result: dict[str, Any] = {}
         self.threads = [threading.Thread(target=self._run, args=(r, g), daemon=True,

@@ -71,21 +71,21 @@ def _run_as() -> tuple[list[str], int | None, int | None]:
         return [], None, None
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        pytest.skip("running as root and setpriv (util-linux) is missing: initdb refuses root")
+        pytest.fail("running as root and setpriv (util-linux) is missing: initdb refuses root")
     for name in ("postgres", "nobody"):
         try:
             u = pwd.getpwnam(name)
         except KeyError:
             continue
         return [setpriv, f"--reuid={u.pw_uid}", f"--regid={u.pw_gid}", "--clear-groups"], u.pw_uid, u.pw_gid
-    pytest.skip("running as root with neither a 'postgres' nor a 'nobody' user to run initdb as")
+    pytest.fail("running as root with neither a 'postgres' nor a 'nobody' user to run initdb as")
 
 
 def _binary(name: str) -> str:
     found = shutil.which(name) or next((str(p) for p in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))),
                                        None)
     if found is None:
-        pytest.skip(f"PostgreSQL's {name} is not installed (NOTES.md: PostgreSQL 15 server binaries on PATH)")
+        pytest.fail(f"PostgreSQL's {name} is not installed: scripts/ensure-postgres (run by make test) installs it")
     return found
 
 

@@ -170,13 +170,29 @@ class RunningQuery:
 TRANSIENT_FAILURES = ("Python worker failed to connect back",
                       # isbflow.isb.read: the ISB service slow or failing over
                       "s while reading sequences", "did not answer STREAM.INFO", "cannot create a read consumer")
-MAX_RESTARTS = 5
-#: seconds to wait before restart n (n x this, at most RESTART_BACKOFF_MAX_S): the Python
-#: process of the failed attempt goes on loading for a while (its own auth timeout), so
-#: restarting at once on a loaded machine piles such processes up and each attempt loads
-#: slower than the last. Short enough that the step's heartbeat never looks stale meanwhile.
-RESTART_BACKOFF_S = 2.0
-RESTART_BACKOFF_MAX_S = 10.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the runner restarts a query that failed transiently (:data:`TRANSIENT_FAILURES`).
+
+    Restart n waits ``min(n * backoff_s, backoff_max_s)``: the Python process of the failed
+    attempt goes on loading for a while (its own auth timeout), so restarting at once on a
+    loaded machine piles such processes up and each attempt loads slower than the last.
+    Short enough that the step's heartbeat never looks stale meanwhile. Tests run this
+    same policy (it is a constructor argument, never a subclass with other numbers).
+    """
+
+    max_restarts: int = 5
+    backoff_s: float = 2.0
+    backoff_max_s: float = 10.0
+
+    def wait_before(self, n: int) -> float:
+        """Seconds to wait before restart ``n`` (1-based)."""
+        return min(self.backoff_s * n, self.backoff_max_s)
+
+
+DEFAULT_RESTARTS = RestartPolicy()
 
 
 @dataclass
@@ -191,8 +207,10 @@ class StepRun:
 class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
                  processing_time: str = "1 second", starting_offsets: dict[str, dict] | None = None,
-                 sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None):
+                 sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None,
+                 restarts: RestartPolicy = DEFAULT_RESTARTS):
         self.spark = spark
+        self.restarts = restarts
         self.specs = specs
         self.p = pipeline
         self.settings = settings
@@ -501,14 +519,15 @@ class PipelineRunner:
         """Start a query that failed transiently again from its checkpoint; False if not transient
         or out of restarts."""
         text = str(exc)
-        if rq.restarts >= MAX_RESTARTS or not any(m in text for m in TRANSIENT_FAILURES):
+        policy = self.restarts
+        if rq.restarts >= policy.max_restarts or not any(m in text for m in TRANSIENT_FAILURES):
             return False
         rq.restarts += 1
         if run.status is not None:
             run.status.restarts += 1
-        wait = min(RESTART_BACKOFF_S * rq.restarts, RESTART_BACKOFF_MAX_S)
+        wait = policy.wait_before(rq.restarts)
         log.warning("step %s: query %s failed transiently (%s); restart %d of %d from its checkpoint in %.0fs",
-                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, MAX_RESTARTS, wait)
+                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, policy.max_restarts, wait)
         time.sleep(wait)
         rq.query = rq.writer.start()
         return True
