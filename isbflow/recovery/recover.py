@@ -82,6 +82,7 @@ from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
+from isbflow.steps import drain
 
 log = logging.getLogger(__name__)
 
@@ -209,54 +210,20 @@ def running_steps(statuses: dict, now: float | None = None) -> list[str]:
 
 
 async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5,
-                      silent_after: float | None = None) -> dict[str, str]:
+                      silent_after: float = SILENT_HEARTBEAT_S) -> dict[str, str]:
     """Drain ``steps`` (those that run), upstream first; vertex -> how each ended.
 
-    Like :func:`isbflow.steps.drain.drain_pipeline` (a step is told to drain once every
-    running step feeding it has ended), but for a pipeline that has just lost a buffer:
-    a step that fails, stops, or whose heartbeat stays still for :data:`SILENT_HEARTBEAT_S`
-    (its driver was killed; ``silent_after`` overrides it) has ended too (``failed``,
-    ``stopped``, ``gone``) instead of holding the drain up until the timeout. Raises
-    :class:`RecoveryError` naming the steps still running after ``timeout`` seconds.
+    :func:`isbflow.steps.drain.drain_steps` for a pipeline that has just lost a buffer: a step
+    that fails, stops, or whose heartbeat stays still for ``silent_after`` seconds (its driver
+    was killed) has ended too (``failed``, ``stopped``, ``gone``) instead of holding the drain
+    up until the timeout. Raises :class:`RecoveryError` naming the steps still running after
+    ``timeout`` seconds.
     """
-    import asyncio
-
-    from isbflow.isb import state as st
-
-    order = [v for v in p.topological_order() if v in steps]
-    ended: dict[str, str] = {}
-    told: set[str] = set()
-    beats: dict[str, tuple[float, float]] = {}  # vertex -> (heartbeat time, when we saw it change)
-    deadline = time.monotonic() + timeout
-    while True:
-        statuses = await st.all_status(nc, p.name, p.topological_order())
-        now = time.monotonic()
-        for v in order:
-            s = statuses.get(v)
-            if v in ended:
-                continue
-            if s is None:
-                ended[v] = "gone"
-            elif s.state in (st.Observed.DRAINED, st.Observed.FAILED, st.Observed.STOPPED):
-                ended[v] = str(s.state)
-            else:
-                seen = beats.get(v)
-                if seen is None or seen[0] != s.updated_at:
-                    beats[v] = (s.updated_at, now)
-                elif now - seen[1] > (SILENT_HEARTBEAT_S if silent_after is None else silent_after):
-                    ended[v] = "gone"
-        for v in order:
-            if v not in told and v not in ended and all(e.from_ in ended or e.from_ not in steps
-                                                        for e in p.inputs(v)):
-                await st.set_desired(nc, p.name, v, st.Desired.DRAINING)
-                told.add(v)
-        if len(ended) == len(order):
-            return ended
-        if now > deadline:
-            stuck = [v for v in order if v not in ended]
-            raise RecoveryError(f"recover {p.name}: draining timed out after {timeout:.0f}s: step(s) "
-                                f"{', '.join(stuck)} still run; stop them, then run recover again")
-        await asyncio.sleep(poll)
+    try:
+        return await drain.drain_steps(nc, p, steps, timeout=timeout, poll=poll, silent_after=silent_after)
+    except drain.DrainTimeout as e:
+        raise RecoveryError(f"recover {p.name}: draining timed out after {timeout:.0f}s: step "
+                            f"{e.vertex} still runs; stop it, then run recover again") from e
 
 
 # ------------------------------------------------------------------ helpers
