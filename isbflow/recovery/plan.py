@@ -27,7 +27,7 @@ import pyarrow as pa
 from isbflow.isb import ledger, naming
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.loss import DetectedLoss, detect_loss
-from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, region_of
+from isbflow.recovery.job import RUNNING_HEARTBEAT_S, region_of
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -167,7 +167,7 @@ def _numeric_types() -> tuple[type, ...]:
 
 def _table_columns(path: str) -> list[tuple[str, bool]] | None:
     """(column, is a dimension) of the sink's Delta table (None: no table). Dimensions are the
-    non-numeric columns, as recover's ``_dimension_columns`` counts them."""
+    non-numeric columns, as :func:`isbflow.recovery.job.dimension_columns` counts them."""
     import pyarrow.types as pt
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError

@@ -63,7 +63,6 @@ sequence past the low offset) cannot be replayed: they are reported as
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -78,31 +77,30 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from isbflow.isb import ledger, naming, provision
-from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb import state as st
+from isbflow.isb.connect import NatsSettings
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
+from isbflow.isb.read import stream_state
+from isbflow.recovery.job import (
+    RUNNING_HEARTBEAT_S,
+    SILENT_HEARTBEAT_S,
+    Phase,
+    RecoveryJob,
+    dimension_columns,
+    region_of,
+)
+from isbflow.sinks.delta import sink_version
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
+from isbflow.spec.paths import DataDir, query_name
 from isbflow.steps import drain
+from isbflow.steps.runner import PipelineRunner, StepError, checkpoint_epoch, epoch_file
 
 log = logging.getLogger(__name__)
 
-#: a heartbeat younger than this means the step still runs
-RUNNING_HEARTBEAT_S = 30.0
-#: while draining, a step whose heartbeat has not moved for this long is taken as gone
-#: (its driver was killed); runners beat every 2 s
-SILENT_HEARTBEAT_S = 15.0
-
-
 class RecoveryError(Exception):
     """Recovery could not proceed; the message says which phase, what, and what to do."""
-
-
-@dataclass
-class Phase:
-    name: str
-    state: str  # done | skipped | failed
-    seconds: float
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,52 +148,6 @@ class RecoveryReport:
         return d
 
 
-# ------------------------------------------------------------------ graph
-
-
-def _descendants(p: Pipeline, roots: set[str]) -> set[str]:
-    out, todo = set(roots), list(roots)
-    while todo:
-        for e in p.outputs(todo.pop()):
-            if e.to not in out:
-                out.add(e.to)
-                todo.append(e.to)
-    return out
-
-
-def _ancestor_sources(p: Pipeline, vertices: set[str]) -> set[str]:
-    seen, todo = set(vertices), list(vertices)
-    while todo:
-        for e in p.inputs(todo.pop()):
-            if e.from_ not in seen:
-                seen.add(e.from_)
-                todo.append(e.from_)
-    return {v for v in seen if p.vertex(v).source is not None}
-
-
-def region_of(p: Pipeline, lost_streams: set[str]) -> tuple[set[str], set[str]]:
-    """(sources to rewind, vertices to replay) for buffers ``lost_streams``.
-
-    Fixpoint: the sources upstream of a lost buffer are rewound; everything
-    downstream of them is replayed; a source feeding a replayed step is rewound
-    too (its records share the recreated buffers).
-    """
-    touched: set[str] = set()
-    for ep in naming.edge_partitions(p):
-        if ep.stream in lost_streams:
-            touched.add(ep.from_vertex)
-    for v in p.spec.vertices:
-        if v.source is not None and v.source.jetstream is not None and naming.source_stream(p, v.name) in lost_streams:
-            touched.add(v.name)
-    sources = _ancestor_sources(p, touched)
-    while True:
-        region = _descendants(p, sources)
-        more = _ancestor_sources(p, region) - sources
-        if not more:
-            return sources, region
-        sources |= more
-
-
 # ------------------------------------------------------------------ drain
 
 
@@ -210,17 +162,18 @@ def running_steps(statuses: dict, now: float | None = None) -> list[str]:
 
 
 async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5,
-                      silent_after: float = SILENT_HEARTBEAT_S) -> dict[str, str]:
+                      silent_after: float | None = None) -> dict[str, str]:
     """Drain ``steps`` (those that run), upstream first; vertex -> how each ended.
 
     :func:`isbflow.steps.drain.drain_steps` for a pipeline that has just lost a buffer: a step
-    that fails, stops, or whose heartbeat stays still for ``silent_after`` seconds (its driver
-    was killed) has ended too (``failed``, ``stopped``, ``gone``) instead of holding the drain
+    that fails, stops, or whose heartbeat stays still for ``silent_after`` seconds (default
+    :data:`SILENT_HEARTBEAT_S`; its driver was killed) has ended too (``failed``, ``stopped``, ``gone``) instead of holding the drain
     up until the timeout. Raises :class:`RecoveryError` naming the steps still running after
     ``timeout`` seconds.
     """
     try:
-        return await drain.drain_steps(nc, p, steps, timeout=timeout, poll=poll, silent_after=silent_after)
+        return await drain.drain_steps(nc, p, steps, timeout=timeout, poll=poll,
+                                       silent_after=SILENT_HEARTBEAT_S if silent_after is None else silent_after)
     except drain.DrainTimeout as e:
         raise RecoveryError(f"recover {p.name}: draining timed out after {timeout:.0f}s: step "
                             f"{e.vertex} still runs; stop it, then run recover again") from e
@@ -237,13 +190,6 @@ def _aside_dir(parent: Path, stamp: str) -> Path:
         d = parent / f"_recovered-{stamp}-{n}"
     return d
 
-
-
-def _dimension_columns(schema) -> list[str]:
-    from pyspark.sql.types import BooleanType, DecimalType, DoubleType, FloatType, IntegralType
-
-    numeric = (IntegralType, FloatType, DoubleType, DecimalType, BooleanType)
-    return [f.name for f in schema.fields if not isinstance(f.dataType, numeric)]
 
 
 def _move_aside(paths: list[Path], into: Path) -> list[str]:
@@ -293,23 +239,6 @@ def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
 # ------------------------------------------------------------------ recover
 
 
-class _Phases:
-    """Times phases, logs them, and publishes the report in the status bucket (recover's and
-    reprocess's: ``verb`` names which in the log)."""
-
-    def __init__(self, report: Any, publish: Callable[[], None],
-                 on_phase: Callable[[Phase], None] | None, verb: str = "recover"):
-        self.report, self.publish, self.on_phase, self.verb = report, publish, on_phase, verb
-
-    def add(self, name: str, state: str, started: float, **detail: Any) -> None:
-        ph = Phase(name, state, round(time.monotonic() - started, 3), detail)
-        self.report.phases.append(ph)
-        log.info("%s %s: %s %s (%.1fs) %s", self.verb, self.report.pipeline, name, state, ph.seconds, detail)
-        self.publish()
-        if self.on_phase:
-            self.on_phase(ph)
-
-
 def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path, *,
             lost: list[str] | None = None, drain_timeout: float = 300.0,
             on_phase: Callable[[Phase], None] | None = None, pipelined: bool = True,
@@ -322,176 +251,190 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
     the status bucket). ``pipelined``: the replay's steps run at once (module docstring);
     ``replay_timeout``: seconds the pipelined replay may take (default: no limit).
     """
-    import asyncio
-
-    from isbflow.isb import state as st
-    from isbflow.steps.runner import PipelineRunner, StepError, epoch_file
-
-    data_dir = Path(data_dir).absolute()
-    p = pipeline
-    report = RecoveryReport(p.name)
-    t0 = time.monotonic()
-    loop = asyncio.new_event_loop()
-    nc = None
-
-    def run(coro):
-        return loop.run_until_complete(coro)
-
-    def publish() -> None:
-        report.seconds = round(time.monotonic() - t0, 3)
-        report.updated_at = time.time()
-        try:
-            kv = run(nc.jetstream().key_value(naming.status_bucket(p.name)))
-            run(kv.put("recovery", json.dumps(report.to_json(), default=str).encode()))
-        except Exception as e:  # noqa: BLE001 - status is best effort; the report is returned
-            log.warning("recover %s: could not publish status (%s)", p.name, e)
-
-    phases = _Phases(report, publish, on_phase)
+    report = RecoveryReport(pipeline.name)
+    job = RecoveryJob(settings, pipeline, report, verb="recover", status_key="recovery", on_phase=on_phase)
     try:
-        nc = run(connect(settings, name=f"isbflow-recover-{p.name}"))
-        # 1. detect
-        t = time.monotonic()
+        job.connect()
+        r = _Recovery(job, specs, settings, Path(data_dir).absolute())
+        if not r.detect(lost):
+            report.state = "nothing-lost"
+            job.publish()
+            return report
+        r.spark = spark() if callable(spark) else spark
+        r.drain(drain_timeout)
+        r.recreate()
+        r.rewind()
+        r.replay(pipelined, replay_timeout)
+        r.verify()
+        report.state = "recovered"
+        job.publish()
+        return report
+    except BaseException as e:
+        job.failed(e, recorded=isinstance(e, RecoveryError))
+        raise
+    finally:
+        job.close()
+
+
+class _Recovery:
+    """The phases of one recover (module docstring), sharing the job, the region and what the
+    rewind found (low offsets, the sources' ends, the sinks)."""
+
+    def __init__(self, job: RecoveryJob, specs: Specs, settings: NatsSettings, data_dir: Path):
+        self.job, self.specs, self.settings, self.data_dir = job, specs, settings, data_dir
+        self.p: Pipeline = job.p
+        self.report: RecoveryReport = job.report  # type: ignore[assignment]
+        self.spark: Any = None
+        self.sources: set[str] = set()
+        self.order: list[str] = []
+        self.sink_vertices: list[str] = []
+        self.id_sinks: list[str] = []
+        self.other_sinks: dict[str, list[str]] = {}  # aggregate sink -> its dimension columns
+        self.paths: dict[str, str] = {}
+        self.starting: dict[str, dict] = {}
+        self.first: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.part_stream: dict[str, str] = {}
+        self.lows: dict[str, ledger.LowOffset] = {}
+        self.before: dict[str, int | None] = {}
+
+    def detect(self, lost: list[str] | None) -> bool:
+        """1. Which buffers are lost (``lost`` when the caller names them); False when none."""
+        t, p, job = time.monotonic(), self.p, self.job
         if lost:
-            report.lost = [DetectedLoss(s, "named by the caller") for s in lost]
+            self.report.lost = [DetectedLoss(s, "named by the caller") for s in lost]
         else:
-            report.lost = run(detect_loss(nc, p, data_dir))
+            self.report.lost = job.run(detect_loss(job.nc, p, self.data_dir))
         known = set(stream_readers(p))
-        unknown = [b.stream for b in report.lost if b.stream not in known]
+        unknown = [b.stream for b in self.report.lost if b.stream not in known]
         if unknown:
             raise RecoveryError(f"recover {p.name}: {', '.join(unknown)} is not a buffer of this pipeline "
                                 f"(its buffers: {', '.join(sorted(known))})")
-        phases.add("detect", "done", t, lost=[b.stream for b in report.lost])
-        if not report.lost:
-            report.state = "nothing-lost"
-            publish()
-            return report
-        if callable(spark):
-            spark = spark()
-        sources, region = region_of(p, {b.stream for b in report.lost})
-        order = [v for v in p.topological_order() if v in region]
-        report.region = order
+        job.phase("detect", "done", t, lost=[b.stream for b in self.report.lost])
+        if not self.report.lost:
+            return False
+        self.sources, region = region_of(p, {b.stream for b in self.report.lost})
+        self.order = [v for v in p.topological_order() if v in region]
+        self.report.region = self.order
+        return True
 
-        # 2. drain what still runs
-        t = time.monotonic()
-        statuses = run(st.all_status(nc, p.name, p.topological_order()))
-        running = [v for v in running_steps(statuses) if v in region]
-        if running:
-            try:
-                ended = run(drain_steps(nc, p, running, timeout=drain_timeout))
-            except RecoveryError as e:
-                phases.add("drain", "failed", t, running=running, error=str(e))
-                raise
-            phases.add("drain", "done", t, drained=[v for v, how in ended.items() if how == st.Observed.DRAINED],
-                       ended=ended)
-        else:
-            phases.add("drain", "skipped", t, reason="no step runs")
+    def drain(self, timeout: float) -> None:
+        """2. Drain the region's steps that still run."""
+        t, p, job = time.monotonic(), self.p, self.job
+        statuses = job.run(st.all_status(job.nc, p.name, p.topological_order()))
+        running = [v for v in running_steps(statuses) if v in self.order]
+        if not running:
+            job.phase("drain", "skipped", t, reason="no step runs")
+            return
+        try:
+            ended = job.run(drain_steps(job.nc, p, running, timeout=timeout))
+        except RecoveryError as e:
+            job.phase("drain", "failed", t, running=running, error=str(e))
+            raise
+        job.phase("drain", "done", t, drained=[v for v, how in ended.items() if how == st.Observed.DRAINED],
+                  ended=ended)
 
-        # 3. recreate the region's buffers
-        t = time.monotonic()
-        region_streams = [ep.stream for ep in naming.edge_partitions(p) if ep.from_vertex in region]
-        js = nc.jetstream()
+    def recreate(self) -> None:
+        """3. Delete the region's edge streams and provision them again."""
+        t, p, job = time.monotonic(), self.p, self.job
+        region_streams = [ep.stream for ep in naming.edge_partitions(p) if ep.from_vertex in self.order]
+        js = job.nc.jetstream()
         deleted = []
         for s in region_streams:
             try:
-                run(js.delete_stream(s))
+                job.run(js.delete_stream(s))
                 deleted.append(s)
             except Exception:  # noqa: BLE001 - missing already
                 pass
-        prov = run(provision.apply(settings, specs, p.name))
+        prov = job.run(provision.apply(self.settings, self.specs, p.name))
         created = [r.name for r in prov.resources if r.action == provision.Action.CREATED]
         for ep in naming.edge_partitions(p):
             if ep.stream in region_streams:
-                run(st.put_committed(nc, p.name, ep.to_vertex, {ep.stream: 0}))
-        phases.add("recreate", "done", t, recreated=deleted, created=created)
+                job.run(st.put_committed(job.nc, p.name, ep.to_vertex, {ep.stream: 0}))
+        job.phase("recreate", "done", t, recreated=deleted, created=created)
 
-        # 4. rewind
-        t = time.monotonic()
-        runner0 = PipelineRunner(spark, specs, p, settings, data_dir)
+    def dead_letters(self) -> ledger.PartitionRanges:
+        """Source partition -> ranges of its sequences in the dead-letter buffer."""
+        out: ledger.PartitionRanges = {}
+        for src in sorted(self.sources):
+            letters = self.job.run(read_dead_letters(self.settings, self.p.name, src, limit=10_000_000))
+            ids = pa.array([d.get("origin") for d in letters], pa.string())
+            out = ledger.union(out, ledger.id_ranges(ids))
+        return out
+
+    def rewind(self) -> None:
+        """4. Low offsets per source partition; the region's checkpoints and stats moved aside; a
+        new checkpoint epoch."""
+        t, p, job, data_dir = time.monotonic(), self.p, self.job, self.data_dir
+        runner0 = PipelineRunner(self.spark, self.specs, p, self.settings, data_dir)
         try:
-            sink_vertices = [v for v in order if p.vertex(v).sink is not None]
-            id_sinks, other_sinks, paths = [], {}, {}
-            for v in sink_vertices:
+            self.sink_vertices = [v for v in self.order if p.vertex(v).sink is not None]
+            for v in self.sink_vertices:
                 schema = runner0.input_schema(v)
-                paths[v] = runner0.sink_path(p.vertex(v))
+                self.paths[v] = runner0.sink_path(p.vertex(v))
                 if ledger.ID_COLUMN in schema.fieldNames():
-                    id_sinks.append(v)
+                    self.id_sinks.append(v)
                 else:
-                    other_sinks[v] = _dimension_columns(schema)
+                    self.other_sinks[v] = dimension_columns(schema)
         finally:
             runner0.close()
-        kv_ledger = run(ledger.read(nc, p.name))
-        held = {v: ledger.union(kv_ledger.get(v, {}), ledger.from_delta_history(paths[v])) for v in id_sinks}
-        from isbflow.isb.dlq import read_dead_letters
-        from isbflow.isb.read import stream_state
-
-        starting: dict[str, dict] = {}
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        part_stream: dict[str, str] = {}
-
-        def dead_letters() -> ledger.PartitionRanges:
-            """Source partition -> ranges of its sequences in the dead-letter buffer."""
-            out: ledger.PartitionRanges = {}
-            for src in sorted(sources):
-                letters = run(read_dead_letters(settings, p.name, src, limit=10_000_000))
-                ids = pa.array([d.get("origin") for d in letters], pa.string())
-                out = ledger.union(out, ledger.id_ranges(ids))
-            return out
-
-        dead = dead_letters()
-        for src in sorted(sources):
+        kv_ledger = job.run(ledger.read(job.nc, p.name))
+        held = {v: ledger.union(kv_ledger.get(v, {}), ledger.from_delta_history(self.paths[v]))
+                for v in self.id_sinks}
+        dead = self.dead_letters()
+        for src in sorted(self.sources):
             if p.vertex(src).source.jetstream is None:  # files: read again from their folder
                 continue
             stream = naming.source_stream(p, src)
             part = f"{src}/0"
-            sst = run(stream_state(nc, stream))
-            part_stream[part] = stream
-            first[part] = max(1, sst.first_seq) if sst else 1
-            last[part] = sst.last_seq if sst else 0
-        lows = ledger.low_offsets(held, list(part_stream), dead=dead, first=first)
-        from_one = ledger.low_offsets(held, list(part_stream), dead=dead)
-        for part, lo in lows.items():
-            report.low_offsets[part] = lo.to_json()
+            sst = job.run(stream_state(job.nc, stream))
+            self.part_stream[part] = stream
+            self.first[part] = max(1, sst.first_seq) if sst else 1
+            self.last[part] = sst.last_seq if sst else 0
+        self.lows = ledger.low_offsets(held, list(self.part_stream), dead=dead, first=self.first)
+        from_one = ledger.low_offsets(held, list(self.part_stream), dead=dead)
+        for part, lo in self.lows.items():
+            self.report.low_offsets[part] = lo.to_json()
             src = part.rpartition("/")[0]
-            starting.setdefault(src, {})[part_stream[part]] = {"seq": lo.low - 1}
-            if from_one[part].low < first[part]:  # sinks lack records the source no longer holds
-                report.source_lost[part] = [[from_one[part].low, first[part] - 1]]
+            self.starting.setdefault(src, {})[self.part_stream[part]] = {"seq": lo.low - 1}
+            if from_one[part].low < self.first[part]:  # sinks lack records the source no longer holds
+                self.report.source_lost[part] = [[from_one[part].low, self.first[part] - 1]]
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        ck = data_dir / "checkpoints" / p.name
-        stats = data_dir / "stats" / p.name
+        dirs = DataDir(data_dir)
+        ck, stats = dirs.checkpoints(p.name), dirs.stats_of(p.name)
         ck_aside, stats_aside = _aside_dir(ck, stamp), _aside_dir(stats, stamp)
         moved = []
-        for v in order:
-            names = [v, *[f"{v}-to-{e.to}" for e in p.outputs(v)]]
+        for v in self.order:
+            names = [query_name(v, None), *[query_name(v, e.to) for e in p.outputs(v)]]
             moved += _move_aside([ck / n for n in names], ck_aside)
             moved += _move_aside([stats / n for n in names], stats_aside)
-        from isbflow.steps.runner import checkpoint_epoch
-
         epoch = checkpoint_epoch(data_dir, p.name) + 1
         ef = epoch_file(data_dir, p.name)
         ef.parent.mkdir(parents=True, exist_ok=True)
         ef.write_text(str(epoch))
-        before = {v: _version(paths[v]) for v in sink_vertices}
-        phases.add("rewind", "done", t, low_offsets=report.low_offsets, moved_aside=moved, epoch=epoch,
-                   id_sinks=id_sinks, merged_by_dimensions=other_sinks)
+        self.before = {v: sink_version(self.paths[v]) for v in self.sink_vertices}
+        job.phase("rewind", "done", t, low_offsets=self.report.low_offsets, moved_aside=moved, epoch=epoch,
+                  id_sinks=self.id_sinks, merged_by_dimensions=self.other_sinks)
 
-        # 5. replay
-        t = time.monotonic()
-        runner = PipelineRunner(spark, specs, p, settings, data_dir, starting_offsets=starting,
-                                sink_mode="merge", merge_keys=other_sinks)
+    def replay(self, pipelined: bool, timeout: float | None) -> None:
+        """5. The region's steps from the low offsets, sinks in merge mode; aggregates recomputed."""
+        t, p, job = time.monotonic(), self.p, self.job
+        runner = PipelineRunner(self.spark, self.specs, p, self.settings, self.data_dir, starting_offsets=self.starting,
+                                sink_mode="merge", merge_keys=self.other_sinks)
         try:
             if pipelined:
-                out = _replay_pipelined(runner, nc, p, order, run, replay_timeout)
+                out = _replay_pipelined(runner, job.nc, p, self.order, job.run, timeout)
             else:
-                out = runner.run_available_now(only=order)
-            recomputed, recompute_failed = _recompute_aggregates(spark, runner, sink_vertices, data_dir)
+                out = runner.run_available_now(only=self.order)
+            recomputed, recompute_failed = _recompute_aggregates(self.spark, runner, self.sink_vertices,
+                                                                 self.data_dir)
         except StepError as e:
-            lost_now = run(detect_loss(nc, p, data_dir))
+            lost_now = job.run(detect_loss(job.nc, p, self.data_dir))
             if not lost_now:
                 raise
             names = ", ".join(b.stream for b in lost_now)
-            phases.add("replay", "failed", t, steps=order, error=str(e).splitlines()[0][:500],
-                       lost=[asdict(b) for b in lost_now])
+            job.phase("replay", "failed", t, steps=self.order, error=str(e).splitlines()[0][:500],
+                      lost=[asdict(b) for b in lost_now])
             raise RecoveryError(f"recover {p.name}: buffer(s) {names} lost during the replay ({e}); run "
                                 "recover again: it replays from the ledger's low offset, which the sinks' "
                                 "commits so far have moved") from e
@@ -499,48 +442,35 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
             runner.close()
         # the sources' records from their low offsets on (the runner's rows_total of an available-now
         # run counts its last micro-batch only); a files source counts what its step read
-        report.replayed_records = sum(max(0, last[part] - lo.low + 1) for part, lo in lows.items()) + sum(
-            out[s].rows_total for s in sources if s in out and p.vertex(s).source.jetstream is None)
-        phases.add("replay", "done", t, steps=order, replayed_records=report.replayed_records,
-                   recomputed_windows=recomputed, **({"recompute_failed": recompute_failed}
-                                                     if recompute_failed else {}))
+        self.report.replayed_records = sum(max(0, self.last[part] - lo.low + 1) for part, lo in self.lows.items()) + sum(
+            out[s].rows_total for s in self.sources if s in out and p.vertex(s).source.jetstream is None)
+        job.phase("replay", "done", t, steps=self.order, replayed_records=self.report.replayed_records,
+                  recomputed_windows=recomputed, **({"recompute_failed": recompute_failed}
+                                                    if recompute_failed else {}))
 
-        # 6. verify
+    def verify(self) -> None:
+        """6. Per ``_isb_id`` sink: no duplicate, every sequence the source holds present or dead-lettered."""
         t = time.monotonic()
-        dead = dead_letters()  # the replay dead-letters again what a lost dead-letter buffer held
-        for v in sink_vertices:
-            offered, inserted = _merge_stats(paths[v], before[v])
-            if v not in id_sinks:
-                report.sinks.append(SinkCheck(v, False, rows=_rows(paths[v]), dropped=offered - inserted,
-                                              inserted=inserted))
+        dead = self.dead_letters()  # the replay dead-letters again what a lost dead-letter buffer held
+        for v in self.sink_vertices:
+            offered, inserted = _merge_stats(self.paths[v], self.before[v])
+            if v not in self.id_sinks:
+                self.report.sinks.append(SinkCheck(v, False, rows=_rows(self.paths[v]), dropped=offered - inserted,
+                                                   inserted=inserted))
                 continue
-            ids = _table_ids(paths[v])
+            ids = _table_ids(self.paths[v])
             check = SinkCheck(v, True, dropped=offered - inserted, inserted=inserted)
             if ids is not None:
                 check.rows = len(ids)
                 check.duplicates = len(ids) - pc.count_distinct(ids).as_py()
             present = ledger.id_ranges(ids) if ids is not None and len(ids) else {}
-            for part in part_stream:
+            for part in self.part_stream:
                 covered = ledger.normalize([*present.get(part, []), *dead.get(part, [])])
-                want = [[first[part], last[part]]] if last[part] >= first[part] else []
+                want = [[self.first[part], self.last[part]]] if self.last[part] >= self.first[part] else []
                 check.missing += ledger.count(want) - ledger.count(_intersect(covered, want))
-            report.sinks.append(check)
-        phases.add("verify", "done" if all(s.ok for s in report.sinks) else "failed", t,
-                   sinks=[asdict(s) for s in report.sinks])
-        report.state = "recovered"
-        publish()
-        return report
-    except BaseException as e:
-        report.state = "failed"
-        if not isinstance(e, RecoveryError):
-            report.phases.append(Phase("error", "failed", 0.0, {"error": str(e).splitlines()[0][:500]}))
-        if nc is not None:
-            publish()
-        raise
-    finally:
-        if nc is not None:
-            run(nc.close())
-        loop.close()
+            self.report.sinks.append(check)
+        self.job.phase("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,
+                       sinks=[asdict(s) for s in self.report.sinks])
 
 
 def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, timeout: float | None) -> dict:
@@ -620,12 +550,6 @@ def _intersect(a: ledger.Ranges, b: ledger.Ranges) -> ledger.Ranges:
             if x <= y:
                 out.append([x, y])
     return ledger.normalize(out)
-
-
-def _version(path: str) -> int | None:
-    from isbflow.sinks.delta import sink_version
-
-    return sink_version(path)
 
 
 def _rows(path: str) -> int:

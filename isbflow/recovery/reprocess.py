@@ -73,8 +73,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from isbflow.isb import ledger, naming
-from isbflow.isb.connect import NatsSettings, connect
-from isbflow.recovery.recover import RUNNING_HEARTBEAT_S, Phase, _descendants, _Phases
+from isbflow.isb.connect import NatsSettings
+from isbflow.recovery.job import (
+    RUNNING_HEARTBEAT_S,
+    Phase,
+    RecoveryJob,
+    dimension_columns,
+    downstream,
+)
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -342,7 +348,7 @@ def _time_column(runner, vertex: str, given: str | None) -> str:
     """The event-time column of source ``vertex``: ``given`` (checked), else its first TIMESTAMP."""
     from pyspark.sql.types import TimestampNTZType, TimestampType
 
-    schema = runner._source_schema(runner.p.vertex(vertex))
+    schema = runner.source_schema(runner.p.vertex(vertex))
     stamps = [f.name for f in schema.fields if isinstance(f.dataType, (TimestampType, TimestampNTZType))]
     if given:
         if given not in schema.fieldNames():
@@ -481,9 +487,8 @@ def _agg_plan(runner, sink: str, raw_sinks: list[str]) -> _AggPlan | str:
     keys = runner.update_keys(steps[-1])
     if keys:
         return _AggPlan(sink, feeds[0], steps, list(keys), update=True)
-    from isbflow.recovery.recover import _dimension_columns
 
-    return _AggPlan(sink, feeds[0], steps, _dimension_columns(runner.output_schema(steps[-1])), update=False)
+    return _AggPlan(sink, feeds[0], steps, dimension_columns(runner.output_schema(steps[-1])), update=False)
 
 
 def _apply_steps(runner, steps: list[str], df):
@@ -543,11 +548,12 @@ def _recomputed(spark, runner, plan: _AggPlan, windows: pa.Table, time_columns: 
 class _Run:
     """One reprocess: the phases of the module docstring, sharing the session, runner and report."""
 
-    def __init__(self, spark, runner, nc_run: Callable, nc, report: ReprocessReport, phases: _Phases,
-                 settings: NatsSettings):
-        self.spark, self.runner, self.run, self.nc = spark, runner, nc_run, nc
+    def __init__(self, spark, runner, job: RecoveryJob, settings: NatsSettings):
+        self.spark, self.runner, self.job = spark, runner, job
+        self.run, self.nc = job.run, job.nc
         self.p: Pipeline = runner.p
-        self.report, self.phases, self.settings = report, phases, settings
+        self.report: ReprocessReport = job.report  # type: ignore[assignment]
+        self.settings = settings
         self.sources: dict[str, _Source] = {}
         self.region: set[str] = set()
         self.raw_sinks: list[str] = []
@@ -584,7 +590,7 @@ class _Run:
         if not by_time:
             _plan_offsets(self.sources, lo_map, hi_map)
             self.report.range = {part: [list(s.scan)] for part, s in self.sources.items()}
-        self.region = _descendants(p, {s.vertex for s in self.sources.values()})
+        self.region = downstream(p, {s.vertex for s in self.sources.values()})
         self.report.region = [v for v in p.topological_order() if v in self.region]
         sinks = [v for v in self.report.region if p.vertex(v).sink is not None]
         self.raw_sinks = [v for v in sinks if ledger.ID_COLUMN in self.runner.input_schema(v).fieldNames()]
@@ -598,7 +604,7 @@ class _Run:
         statuses = self.run(st.all_status(self.nc, p.name, self.report.region))
         self.running = [v for v, s in statuses.items() if s is not None and s.age() < RUNNING_HEARTBEAT_S
                         and s.state in (st.Observed.RUNNING, st.Observed.DRAINING)]
-        self.phases.add("plan", "done", t, range=self.report.range, running=self.running,
+        self.job.phase("plan", "done", t, range=self.report.range, running=self.running,
                         scan={k: list(s.scan) for k, s in self.sources.items()}, raw_sinks=self.raw_sinks,
                         aggregate_sinks=[v for v in sinks if v not in self.raw_sinks])
 
@@ -654,7 +660,7 @@ class _Run:
             if sink_version(raw_path) is not None:
                 plan.old_windows = _windows_of(self.runner, plan,
                                                filter_range(self.spark, _spark_table(self.spark, raw_path), r.range))
-        self.phases.add("read", "done", t, range=r.range, records_reread=r.records_reread,
+        self.job.phase("read", "done", t, range=r.range, records_reread=r.records_reread,
                         records_scanned=r.records_scanned, dead_lettered=r.dead_lettered)
 
     def _cache(self, df):
@@ -675,7 +681,7 @@ class _Run:
                 continue
             n = self.plans[a].old_windows.num_rows if self.plans[a].old_windows is not None else 0
             self.report.sinks.append(SinkReplace(a, "aggregate", self._path(a), rows_before=n, windows_touched=n))
-        self.phases.add("count", "done", t, sinks=[asdict(s) for s in self.report.sinks])
+        self.job.phase("count", "done", t, sinks=[asdict(s) for s in self.report.sinks])
 
     def _agg_sinks(self) -> list[str]:
         return [v for v in self.report.region if self.p.vertex(v).sink is not None and v not in self.raw_sinks]
@@ -713,7 +719,7 @@ class _Run:
                 ledger.record_sync(self.settings, self.p.name, v, self.report.range)
             except Exception as e:  # noqa: BLE001 - the commit's isb.offsets hold the range too
                 log.warning("reprocess %s: recording the range in the ledger of %s failed (%s)", self.p.name, v, e)
-        self.phases.add("replace", "done", t, sinks={v: asdict(self.results[v]) for v in self.raw_sinks})
+        self.job.phase("replace", "done", t, sinks={v: asdict(self.results[v]) for v in self.raw_sinks})
 
     def _replace_raw(self, v: str) -> SinkReplace:
         from isbflow.sinks.delta import delta_arrow_schema, replace_keys
@@ -754,7 +760,7 @@ class _Run:
             if a not in self.results:
                 self.results[a] = self._recompute(self.plans[a])
             self.report.sinks.append(self.results[a])
-        self.phases.add("windows", "done" if aggs else "skipped", t,
+        self.job.phase("windows", "done" if aggs else "skipped", t,
                         sinks={a: asdict(self.results[a]) for a in aggs})
 
     def _recompute(self, plan: _AggPlan) -> SinkReplace:
@@ -832,7 +838,7 @@ class _Run:
             if res.error is None:
                 keys = DeltaTable(res.path).to_pyarrow_table(columns=plan.keys)
                 res.duplicates = keys.num_rows - keys.group_by(plan.keys, use_threads=False).aggregate([]).num_rows
-        self.phases.add("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,
+        self.job.phase("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,
                         sinks=[asdict(s) for s in self.report.sinks])
 
     def close(self) -> None:
@@ -893,7 +899,6 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
     reprocessed, :class:`ReprocessError` when a phase cannot proceed; the report
     so far is in the status bucket (key ``reprocess``) either way.
     """
-    import asyncio
 
     from isbflow.steps.runner import PipelineRunner
 
@@ -902,53 +907,33 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
     report = ReprocessReport(p.name, mode="event-time" if by_time else "offsets", dry_run=dry_run)
     report.asked = ({"from_time": _text(from_time), "to_time": _text(to_time)} if by_time
                     else {"from": _text(from_offset), "to": _text(to_offset)})
-    t0 = time.monotonic()
-    loop = asyncio.new_event_loop()
-    nc = job = None
-
-    def run(coro):
-        return loop.run_until_complete(coro)
-
-    def publish() -> None:
-        report.seconds = round(time.monotonic() - t0, 3)
-        if nc is None:
-            return
-        try:
-            kv = run(nc.jetstream().key_value(naming.status_bucket(p.name)))
-            run(kv.put(STATUS_KEY, json.dumps(report.to_json(), default=str).encode()))
-        except Exception as e:  # noqa: BLE001 - status is best effort; the report is returned
-            log.warning("reprocess %s: could not publish status (%s)", p.name, e)
-
+    job = RecoveryJob(settings, p, report, verb="reprocess", status_key=STATUS_KEY, on_phase=on_phase)
+    run = None
     try:
         lo_map, hi_map, t_lo, t_hi = _check_asked(p, from_offset, to_offset, from_time, to_time)
         spark = spark() if callable(spark) else spark
-        nc = run(connect(settings, name=f"isbflow-reprocess-{p.name}"))
-        job = _Run(spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), run, nc, report,
-                   _Phases(report, publish, on_phase, verb="reprocess"), settings)
-        job.plan(lo_map, hi_map, by_time, time_column)
-        job.read(t_lo, t_hi, by_time)
+        job.connect()
+        run = _Run(spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), job, settings)
+        run.plan(lo_map, hi_map, by_time, time_column)
+        run.read(t_lo, t_hi, by_time)
         if dry_run:
-            job.count()
+            run.count()
             report.state = "planned"
         else:
-            job.replace()
-            job.windows()
-            job.verify()
+            run.replace()
+            run.windows()
+            run.verify()
             report.state = "reprocessed"
-        publish()
+        job.publish()
         return report
     except BaseException as e:
-        report.state = "failed"
-        report.phases.append(Phase("error", "failed", 0.0, {"error": (str(e) or type(e).__name__).splitlines()[0][:500]}))
-        publish()
+        job.failed(e)
         raise
     finally:
-        if job is not None:
-            job.close()
-            job.runner.close()
-        if nc is not None:
-            run(nc.close())
-        loop.close()
+        if run is not None:
+            run.close()
+            run.runner.close()
+        job.close()
 
 
 def _text(value: Any) -> str | None:

@@ -62,8 +62,12 @@ class DataDir:
     def epoch_file(self, pipeline: str) -> Path:
         return self.root / "checkpoints" / f"{pipeline}.epoch"
 
+    def stats_of(self, pipeline: str) -> Path:
+        """The write stats of every query of ``pipeline``."""
+        return self.root / "stats" / pipeline
+
     def stats(self, pipeline: str, vertex: str, to: str) -> Path:
-        return self.root / "stats" / pipeline / query_name(vertex, to)
+        return self.stats_of(pipeline) / query_name(vertex, to)
 
 
 def query_name(vertex: str, to: str | None) -> str:

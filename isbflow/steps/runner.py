@@ -249,7 +249,7 @@ class PipelineRunner:
             return [naming.source_stream(self.p, vertex)] if v.source.jetstream else []
         return [ep.stream for ep in naming.edge_partitions(self.p) if ep.to_vertex == vertex]
 
-    def _source_schema(self, v: Vertex):
+    def source_schema(self, v: Vertex):
         from pyspark.sql.types import StructType
 
         assert v.source is not None
@@ -321,7 +321,7 @@ class PipelineRunner:
 
         v = self.p.vertex(vertex)
         if v.source:
-            schema = self._source_schema(v)
+            schema = self.source_schema(v)
             with_corrupt = StructType([*schema.fields, StructField("_isb_corrupt", StringType())])
             parsed = df.select(F.from_json("value", with_corrupt, {"columnNameOfCorruptRecord": "_isb_corrupt"})
                                .alias("_r"), "_isb_id", "value")
