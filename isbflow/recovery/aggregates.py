@@ -34,7 +34,14 @@ committing meanwhile could upsert a window again from the stream's state.
   sink's rows (e.g. ``"ts >= '2025-01-01 00:00:00' AND ts < '2025-01-01 01:00:00'"``).
 
 A window is recomputed from *all* raw records that fall into it, not only the
-selected ones.
+selected ones (source ranges select with :func:`filter_range`, which reprocess
+uses too).
+
+Also here, what recover and reprocess share about aggregates:
+:func:`recompute_sinks` (recover's recompute of every aggregate sink after the
+replay), :func:`recompute` (the rows alone, reprocess writes them itself) and
+:func:`apply_chain` (steps' transforms in batch, as reprocess's window
+recompute runs them too).
 """
 
 from __future__ import annotations
@@ -44,16 +51,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake.exceptions import TableNotFoundError
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+
 from isbflow.isb.ledger import ID_COLUMN
+from isbflow.sinks.delta import check_schema, delta_arrow_schema, merge_upsert
 from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
 from isbflow.spec.models import OutputMode, Pipeline
 from isbflow.spec.transforms import load_transform
+from isbflow.steps.runner import ERROR_COLUMN
 
 log = logging.getLogger(__name__)
 
 #: source partition -> inclusive sequence ranges, e.g. ``{"in/0": [[1, 5000]]}``
 SourceRanges = Mapping[str, Sequence[Sequence[int]]]
-_ID_RE = r"^(.*)/([0-9]+)$"
 
 
 class AggregateError(Exception):
@@ -98,30 +111,29 @@ def _chain(pipeline: Pipeline, start: str, step: str) -> list[str]:
     return chain
 
 
-def source_ranges_predicate(ranges: SourceRanges):
-    """A Spark Column: ``_isb_id`` is ``<source>/<partition>/<seq>`` with seq in one of ``ranges``."""
-    from pyspark.sql import functions as F
+def filter_range(spark, df, rng: SourceRanges):
+    """Rows of ``df`` whose ``_isb_id`` (``<source>/<partition>/<seq>``) has its sequence in one of
+    ``rng``'s inclusive ranges: a broadcast range join (no list of ids, no predicate per range)."""
+    rows = [(part, int(lo), int(hi)) for part, rs in rng.items() for lo, hi in rs]
+    if not rows:
+        return df.limit(0)
+    r = spark.createDataFrame(rows, "__p string, __lo long, __hi long")
+    pattern = r"^(.+/[0-9]+)/([0-9]+)$"
+    d = (df.withColumn("__part", F.regexp_extract(ID_COLUMN, pattern, 1))
+         .withColumn("__seq", F.regexp_extract(ID_COLUMN, pattern, 2)))
+    d = d.withColumn("__seq", F.when(F.col("__seq") != "", F.col("__seq").cast("long")))
+    cond = (F.col("__part") == F.col("__p")) & F.col("__seq").between(F.col("__lo"), F.col("__hi"))
+    return d.join(F.broadcast(r), cond, "left_semi").drop("__part", "__seq")
 
-    part = F.regexp_extract(ID_COLUMN, _ID_RE, 1)
-    seq = F.regexp_extract(ID_COLUMN, _ID_RE, 2)
-    seq = F.when(seq != "", seq.cast("long"))
-    cond = F.lit(False)
-    for p, rs in ranges.items():
-        for lo, hi in rs:
-            cond = cond | ((part == p) & seq.between(int(lo), int(hi)))
-    return cond
 
-
-def _filter_column(windows_filter: Any):
-    from pyspark.sql import Column
-    from pyspark.sql import functions as F
-
-    if isinstance(windows_filter, Column):
-        return windows_filter
-    if isinstance(windows_filter, str):
-        return F.expr(windows_filter)
+def _selected(spark, raw, windows_filter: Any):
+    """The raw rows ``windows_filter`` selects (module docstring)."""
     if isinstance(windows_filter, Mapping):
-        return source_ranges_predicate(windows_filter)
+        return filter_range(spark, raw, windows_filter)
+    if isinstance(windows_filter, Column):
+        return raw.filter(windows_filter)
+    if isinstance(windows_filter, str):
+        return raw.filter(F.expr(windows_filter))
     raise AggregateError(f"windows_filter must be None, source ranges {{'<source>/<partition>': [[first, "
                          f"last]]}}, a SQL predicate string or a Column; got {type(windows_filter).__name__}")
 
@@ -136,13 +148,14 @@ def _runner_and_pipeline(runner_or_pipeline: Any) -> tuple[Any, Pipeline]:
     return runner_or_pipeline, p
 
 
-def _apply_chain(runner, p: Pipeline, chain: list[str], df):
-    """The chain's transforms in batch, references from the runner (a Pipeline alone has none)."""
+def apply_chain(runner, p: Pipeline, chain: list[str], df):
+    """The chain's transforms in batch; with a runner (a Pipeline alone has none) its reference
+    tables are read and each step's output is what it writes (no error or raw-record column)."""
     for name in chain:
         v = p.vertex(name)
         assert v.udf is not None
         if runner is not None:
-            df = runner.apply_transform(name, df)
+            df = runner.apply_transform(name, df).drop(ERROR_COLUMN, "_isb_raw")
             continue
         if v.udf.references:
             raise AggregateError(f"step {name!r} reads reference tables "
@@ -159,8 +172,6 @@ def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
 
     Nothing is written; :func:`recompute_windows` writes. See the module docstring for the filter.
     """
-    from pyspark.sql import functions as F
-
     runner, p = _runner_and_pipeline(runner_or_pipeline)
     step, keys = update_step_of(p, sink)
     raw_name = raw_sink or find_raw_sink(spark, p, sink, data_dir)
@@ -185,13 +196,13 @@ def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
         raise AggregateError(f"sink {sink!r}: {e}") from None
     if runner is not None:  # the raw rows as the upstream step wrote them (drop table-only columns)
         raw = raw.select(*runner.output_schema(start).fieldNames())
-    full = _apply_chain(runner, p, chain, raw)
+    full = apply_chain(runner, p, chain, raw)
     missing = [k for k in keys if k not in full.columns]
     if missing:
         raise AggregateError(f"step {step!r}: udf.keys {missing} are not columns of its output {full.columns}")
     if windows_filter is None:
         return full, raw_name, raw_version
-    touched = _apply_chain(runner, p, chain, raw.filter(_filter_column(windows_filter)))
+    touched = apply_chain(runner, p, chain, _selected(spark, raw, windows_filter))
     touched = touched.select(*[F.col(k).alias(f"_isb_k_{i}") for i, k in enumerate(keys)]).distinct()
     cond = None
     for i, k in enumerate(keys):
@@ -214,11 +225,6 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
     over the raw sink's rows. ``raw_sink``: the raw sink to read (default: found from the graph).
     Raises :class:`AggregateError` when the sink is no aggregate or no raw sink can serve.
     """
-    from deltalake import CommitProperties, DeltaTable, write_deltalake
-    from deltalake.exceptions import TableNotFoundError
-
-    from isbflow.sinks.delta import _check_schema, delta_arrow_schema, merge_upsert
-
     _, p = _runner_and_pipeline(runner_or_pipeline)
     _, keys = update_step_of(p, sink)
     if isinstance(windows_filter, Mapping) and not any(windows_filter.values()):
@@ -240,7 +246,7 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
             names = [f.name for f in table.schema().fields]
             if sorted(names) == sorted(rows.column_names):
                 rows = rows.select(names)
-            _check_schema(table, rows.schema, f"recompute windows of {path}")
+            check_schema(table, rows.schema, f"recompute windows of {path}")
         write_deltalake(path, rows, mode="overwrite", partition_by=partition_by or None,
                         commit_properties=CommitProperties(
                             custom_metadata={**metadata, "isb.operation": "recompute_windows"}))
@@ -250,6 +256,25 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
     log.info("recomputed %d window(s) of sink %s from raw sink %s v%s (%s)", rows.num_rows, sink, raw_name,
              raw_version, metadata["isb.windows_filter"])
     return rows.num_rows
+
+
+def recompute_sinks(spark, runner, sinks: list[str], data_dir: str | Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Every window of each aggregate sink among ``sinks`` (those fed by a ``udf.output: update``
+    step; the others are skipped) recomputed from its raw sink, one commit per sink: recover's last
+    replay step. Returns ({sink: windows written}, {sink: why it could not be recomputed})."""
+    done: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    for v in sinks:
+        try:
+            update_step_of(runner.p, v)
+        except AggregateError:
+            continue  # not an aggregate sink
+        try:
+            done[v] = recompute_windows(spark, runner, v, data_dir, None)
+        except AggregateError as e:
+            log.warning("recover %s: aggregate sink %s stays as replayed: %s", runner.p.name, v, e)
+            failed[v] = str(e)
+    return done, failed
 
 
 def _describe(windows_filter: Any) -> str:
@@ -263,8 +288,10 @@ def _describe(windows_filter: Any) -> str:
 __all__ = [
     "AggregateError",
     "SourceRanges",
+    "apply_chain",
+    "filter_range",
     "recompute",
+    "recompute_sinks",
     "recompute_windows",
-    "source_ranges_predicate",
     "update_step_of",
 ]

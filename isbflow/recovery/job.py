@@ -7,8 +7,8 @@ its key of the pipeline's status bucket (``recovery`` or ``reprocess``), where
 ``isbflow pipeline status`` and the Pipelines page read it. Publishing is best
 effort: the report is also returned to the caller.
 
-Also here: the heartbeat ages both use to tell a running step from a gone one,
-the region a loss or a range touches (:func:`region_of`), and the columns an
+Also here: the heartbeat ages both use to tell a running step from a gone one
+(:func:`running_steps`), the region a loss or a range touches (:func:`region_of`), and the columns an
 aggregate sink is merged by (:func:`dimension_columns`).
 """
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from isbflow.isb import naming
+from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession
 from isbflow.spec.models import Pipeline
 
@@ -33,6 +34,14 @@ RUNNING_HEARTBEAT_S = 30.0
 #: while draining, a step whose heartbeat has not moved for this long is taken as gone
 #: (its driver was killed); runners beat every 2 s
 SILENT_HEARTBEAT_S = 15.0
+
+
+def running_steps(statuses: dict, now: float | None = None) -> list[str]:
+    """The steps of ``statuses`` (vertex -> StepStatus or None) that still run: a heartbeat younger
+    than :data:`RUNNING_HEARTBEAT_S` in state running or draining. (A runner whose step fails
+    reports its other steps ``stopped``; a killed driver's heartbeats go stale.)"""
+    return [v for v, s in statuses.items() if s is not None and s.age(now) < RUNNING_HEARTBEAT_S
+            and s.state in (st.Observed.RUNNING, st.Observed.DRAINING)]
 
 
 @dataclass

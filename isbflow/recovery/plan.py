@@ -27,7 +27,7 @@ import pyarrow as pa
 from isbflow.isb import ledger, naming
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.loss import DetectedLoss, detect_loss
-from isbflow.recovery.job import RUNNING_HEARTBEAT_S, region_of
+from isbflow.recovery.job import region_of, running_steps
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -197,8 +197,7 @@ async def _read_state(nc, settings: NatsSettings, p: Pipeline, plan: RecoveryPla
     from isbflow.isb.read import stream_state
 
     statuses = await st.all_status(nc, p.name, plan.region)
-    plan.running = [v for v, s in statuses.items() if s is not None and s.age() < RUNNING_HEARTBEAT_S
-                    and s.state in (st.Observed.RUNNING, st.Observed.DRAINING)]
+    plan.running = running_steps(statuses)
     dead: ledger.PartitionRanges = {}
     for src in plan.sources:
         letters = await read_dead_letters(settings, p.name, src, limit=10_000_000)

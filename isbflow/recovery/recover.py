@@ -7,7 +7,7 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
    when its stream is missing, or is another incarnation than the one its
    reading step's checkpoint names, or its first sequence moved past that
    checkpoint's offset. Nothing lost: recover stops here.
-2. **drain** the region's steps that still run (:func:`running_steps`: a fresh
+2. **drain** the region's steps that still run (:func:`~isbflow.recovery.job.running_steps`: a fresh
    ``running``/``draining`` heartbeat), upstream first; a step that fails, stops
    or goes silent meanwhile no longer holds the drain up (:func:`drain_steps`).
    Skipped when nothing runs.
@@ -45,7 +45,7 @@ replayed stateful step saw only records from the low offset on, so those
 windows can be short; the sink may also lack records below the low offset
 (no ledger says). So after the replay every aggregate sink fed by a
 ``udf.output: update`` step is recomputed from the raw sink in batch, all its
-windows, in one commit (:func:`isbflow.recovery.aggregates.recompute_windows`):
+windows, in one commit (:func:`isbflow.recovery.aggregates.recompute_sinks`):
 it then equals the batch recomputation. The replay phase reports
 ``recomputed_windows`` per sink; an aggregate without a raw sink to recompute
 from stays as replayed (logged, ``recompute_failed``). Recover still reports
@@ -67,6 +67,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -82,15 +83,16 @@ from isbflow.isb.connect import NatsSettings
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.read import stream_state
+from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
-    RUNNING_HEARTBEAT_S,
     SILENT_HEARTBEAT_S,
     Phase,
     RecoveryJob,
     dimension_columns,
     region_of,
+    running_steps,
 )
-from isbflow.sinks.delta import sink_version
+from isbflow.sinks.delta import count_rows, open_table, read_ids, sink_version
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir, query_name
@@ -151,16 +153,6 @@ class RecoveryReport:
 # ------------------------------------------------------------------ drain
 
 
-def running_steps(statuses: dict, now: float | None = None) -> list[str]:
-    """The steps of ``statuses`` (vertex -> StepStatus or None) that still run: a heartbeat younger
-    than :data:`RUNNING_HEARTBEAT_S` in state running or draining. (A runner whose step fails
-    reports its other steps ``stopped``; a killed driver's heartbeats go stale.)"""
-    from isbflow.isb.state import Observed
-
-    return [v for v, s in statuses.items()
-            if s is not None and s.age(now) < RUNNING_HEARTBEAT_S and s.state in (Observed.RUNNING, Observed.DRAINING)]
-
-
 async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: float = 0.5,
                       silent_after: float | None = None) -> dict[str, str]:
     """Drain ``steps`` (those that run), upstream first; vertex -> how each ended.
@@ -202,26 +194,12 @@ def _move_aside(paths: list[Path], into: Path) -> list[str]:
     return moved
 
 
-def _table_ids(path: str):
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        t = DeltaTable(path)
-    except TableNotFoundError:
-        return None
-    return t.to_pyarrow_table(columns=[ledger.ID_COLUMN]).column(ledger.ID_COLUMN)
-
-
 def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
     """(rows offered, rows inserted) by the merge-mode commits after ``after_version``."""
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        history = DeltaTable(path).history()
-    except TableNotFoundError:
+    table = open_table(path)
+    if table is None:
         return 0, 0
+    history = table.history()
     offered = inserted = 0
     for h in history:
         if after_version is not None and h["version"] <= after_version:
@@ -426,8 +404,7 @@ class _Recovery:
                 out = _replay_pipelined(runner, job.nc, p, self.order, job.run, timeout)
             else:
                 out = runner.run_available_now(only=self.order)
-            recomputed, recompute_failed = _recompute_aggregates(self.spark, runner, self.sink_vertices,
-                                                                 self.data_dir)
+            recomputed, recompute_failed = recompute_sinks(self.spark, runner, self.sink_vertices, self.data_dir)
         except StepError as e:
             lost_now = job.run(detect_loss(job.nc, p, self.data_dir))
             if not lost_now:
@@ -455,15 +432,13 @@ class _Recovery:
         for v in self.sink_vertices:
             offered, inserted = _merge_stats(self.paths[v], self.before[v])
             if v not in self.id_sinks:
-                self.report.sinks.append(SinkCheck(v, False, rows=_rows(self.paths[v]), dropped=offered - inserted,
-                                                   inserted=inserted))
+                self.report.sinks.append(SinkCheck(v, False, rows=count_rows(self.paths[v]),
+                                                   dropped=offered - inserted, inserted=inserted))
                 continue
-            ids = _table_ids(self.paths[v])
-            check = SinkCheck(v, True, dropped=offered - inserted, inserted=inserted)
-            if ids is not None:
-                check.rows = len(ids)
-                check.duplicates = len(ids) - pc.count_distinct(ids).as_py()
-            present = ledger.id_ranges(ids) if ids is not None and len(ids) else {}
+            ids, _ = read_ids(self.paths[v])
+            check = SinkCheck(v, True, rows=len(ids), duplicates=len(ids) - pc.count_distinct(ids).as_py(),
+                              dropped=offered - inserted, inserted=inserted)
+            present = ledger.id_ranges(ids) if len(ids) else {}
             for part in self.part_stream:
                 covered = ledger.normalize([*present.get(part, []), *dead.get(part, [])])
                 want = [[self.first[part], self.last[part]]] if self.last[part] >= self.first[part] else []
@@ -477,10 +452,6 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
     """The region's steps continuously in a thread of this process, drained (upstream first) as
     soon as every query has started; returns each step's status. A step failing raises its
     :class:`~isbflow.steps.runner.StepError` here, as the available-now run would."""
-    import threading
-
-    from isbflow.isb import state as st
-
     result: dict[str, Any] = {}
 
     def go() -> None:
@@ -521,27 +492,6 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
     return out
 
 
-def _recompute_aggregates(spark, runner, sinks: list[str], data_dir: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """After the replay: every window of each aggregate sink (fed by a ``udf.output: update`` step)
-    recomputed from its raw sink, one commit per sink (module docstring). Returns
-    ({sink: windows written}, {sink: why it could not be recomputed})."""
-    from isbflow.recovery.aggregates import AggregateError, recompute_windows, update_step_of
-
-    done: dict[str, int] = {}
-    failed: dict[str, str] = {}
-    for v in sinks:
-        try:
-            update_step_of(runner.p, v)
-        except AggregateError:
-            continue  # not an aggregate sink
-        try:
-            done[v] = recompute_windows(spark, runner, v, data_dir, None)
-        except AggregateError as e:
-            log.warning("recover %s: aggregate sink %s stays as replayed: %s", runner.p.name, v, e)
-            failed[v] = str(e)
-    return done, failed
-
-
 def _intersect(a: ledger.Ranges, b: ledger.Ranges) -> ledger.Ranges:
     out = []
     for lo, hi in a:
@@ -550,13 +500,3 @@ def _intersect(a: ledger.Ranges, b: ledger.Ranges) -> ledger.Ranges:
             if x <= y:
                 out.append([x, y])
     return ledger.normalize(out)
-
-
-def _rows(path: str) -> int:
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        return DeltaTable(path).to_pyarrow_dataset().count_rows()
-    except TableNotFoundError:
-        return 0

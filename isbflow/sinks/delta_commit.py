@@ -1,0 +1,354 @@
+"""Delta sink, driver side: the Spark data source and one Delta commit per micro-batch.
+
+Contract (exactly once per micro-batch and app id):
+
+- ``write`` runs in executor tasks (:func:`isbflow.sinks.delta_files.write_batch_files`).
+  It writes the task's rows as Parquet files straight into the table folder
+  (Hive-style ``col=value/`` folders for ``partitionBy``), named
+  ``part-<batchId>-<taskPartition>-<appTag>-<uuid>.parquet``, and returns their
+  Delta add actions. Nothing is visible to readers yet.
+- ``commit`` runs on the driver once per micro-batch (:func:`commit_batch`). If
+  the table already records the batch for this app id
+  (``transaction_version(appId) >= batchId``: Spark replays a batch whose Delta
+  commit landed but whose checkpoint commit did not), it commits nothing and
+  removes the batch's new files. Otherwise it commits every add action of the
+  batch in one Delta transaction carrying the app transaction
+  ``(appId, batchId)``, creating the table on the first non-empty batch. Empty
+  batches commit nothing. Either way, files of this app and batch that the log
+  does not reference (failed task attempts, an earlier crashed run of the
+  batch) are removed (:func:`remove_unreferenced_batch_files`).
+- ``abort`` runs on the driver when a task failed: it removes the batch's
+  unreferenced files.
+
+Pickled: Spark pickles :class:`DeltaStreamWriter` on the driver and unpickles
+it in every task, so it holds only the validated, picklable
+:class:`~isbflow.sinks.delta_files.DeltaSinkOptions` and the Spark schema.
+Everything else here runs on the driver.
+
+Offsets: when the rows carry ``_isb_id``, each task also returns, per source
+partition, the ranges of source sequences it wrote
+(:func:`isbflow.isb.ledger.id_ranges`); the commit records their union in
+the commit's custom metadata ``isb.offsets`` and, with the options
+``pipeline``, ``sink`` and ``settings``, in the pipeline's offset ledger (KV),
+after the Delta commit (see :mod:`isbflow.isb.ledger`).
+
+``mode=merge`` (recovery runs): the batch's rows are inserted only where the
+table lacks their ``mergeKey`` (default ``_isb_id``; a comma list for a
+composite key), in one Delta merge on the driver that also records the app
+transaction (:func:`isbflow.sinks.delta_merge.merge_insert_missing`); the
+batch's Parquet files are then removed. It funnels the batch through the
+driver: meant for replays, not for the steady stream. **Ledger fast path**:
+with the key ``_isb_id``, when every row's id names a distinct source offset
+and none of those offsets is in the ranges the table's commits record
+(``isb.offsets``, :func:`isbflow.isb.ledger.from_delta_history`), no row of
+the batch can be in the table (a committed row's offset is always in its
+commit's ranges): the batch's files are committed as they are, like ``append``
+(no read-back, no join with the table). A recovery's replay above what the sink
+held takes this path; batches overlapping it merge. Measured in
+``bench/recovery.py``.
+
+``mode=upsert`` (the sink of a step with ``udf.output: update``, e.g. windowed
+aggregates): in one Delta merge per micro-batch on the driver, rows whose
+``mergeKey`` the table holds replace those rows, the others are inserted
+(:func:`isbflow.sinks.delta_merge.merge_upsert`); the same app-transaction
+check makes a replayed batch commit nothing. With ``versionColumn`` (an
+integer column the upstream writer stamps, see :mod:`isbflow.steps.update`),
+when a key appears several times in one micro-batch (several upstream batches
+changed it) the row with the highest version wins
+(:func:`isbflow.sinks.delta_merge.latest_per_key`) and the column is not
+written; without it a key twice in one batch is an error. ``versionColumn``
+works in ``merge`` mode too (recovery of such a sink: the latest version of a
+missing key is inserted). Like ``merge``, it funnels the batch through the
+driver: fine for aggregates, whose rows are few.
+
+delta-rs records app transactions but does not enforce them (NOTES.md), hence
+the check in ``commit``. The check-then-commit is not atomic: one app id must
+have one running query (Spark's checkpoint already demands that). The table
+folder must be a local or shared filesystem path reachable by the driver and
+every executor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake import Schema as DeltaSchema
+from deltalake.transaction import AddAction, create_table_with_add_actions
+from pyspark import TaskContext
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter
+from pyspark.sql.types import StructType
+
+from isbflow.isb import ledger
+from isbflow.isb.connect import settings_from_json
+from isbflow.sinks.delta_files import (
+    SHORT_NAME,
+    DeltaCommitMessage,
+    DeltaSchemaMismatch,
+    DeltaSinkError,
+    DeltaSinkOptionError,
+    DeltaSinkOptions,
+    is_batch_file,
+    remove_file,
+    write_batch_files,
+)
+from isbflow.sinks.delta_merge import (
+    check_schema,
+    latest_per_key,
+    merge_insert_missing,
+    merge_upsert,
+    open_table,
+)
+
+_log = logging.getLogger(__name__)
+
+
+def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int) -> int:
+    """Remove this app's files of ``batch_id`` that the table's log does not reference.
+
+    Returns how many were removed. Files of other batches or apps are untouched.
+    """
+    if not os.path.isdir(path):
+        return 0
+    table = open_table(path)
+    referenced = {os.path.normpath(u) for u in table.file_uris()} if table else set()
+    removed = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if not d.startswith(("_", "."))]
+        for name in filenames:
+            if not is_batch_file(name, app_id, batch_id):
+                continue
+            full = os.path.normpath(os.path.join(dirpath, name))
+            if full not in referenced:
+                remove_file(full)
+                removed += 1
+    return removed
+
+
+@dataclass(frozen=True)
+class BatchCommit:
+    """Outcome of committing one micro-batch: the new table version, or ``None`` if skipped."""
+
+    batch_id: int
+    version: int | None
+    files: int
+    rows: int
+    skipped_reason: str | None = None
+    #: merge mode: rows of the batch the table already held (not inserted again);
+    #: upsert mode: rows superseded by a later version of their key in the same batch
+    dropped: int = 0
+
+
+def commit_batch(
+    options: DeltaSinkOptions,
+    messages: Iterable[DeltaCommitMessage | None],
+    batch_id: int,
+) -> BatchCommit:
+    """Commit one micro-batch's files in one Delta transaction, at most once per app id."""
+    msgs = [m for m in messages if m is not None]
+    actions = [a for m in msgs for a in m.actions]
+    offsets = ledger.union(*(m.offsets or {} for m in msgs))
+    rows = sum(json.loads(a.stats)["numRecords"] for a in actions)
+    where = f"{SHORT_NAME} {options.path} (app {options.app_id}, batch {batch_id})"
+    table = open_table(options.path)
+    done = table.transaction_version(options.app_id) if table else None
+    if done is not None and done >= batch_id:
+        if done > batch_id:
+            _log.warning(
+                "%s: the table already holds batch %d of this app id, so batch %d is skipped; "
+                "if the step's checkpoint was reset, give the sink a new appId or restore the "
+                "checkpoint, or its rows are never written",
+                where,
+                done,
+                batch_id,
+            )
+        _clean_up(options, batch_id, offsets, where)
+        return BatchCommit(batch_id, None, 0, 0, f"table already holds batch {done}")
+    if not actions:
+        remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+        return BatchCommit(batch_id, None, 0, 0, "empty batch")
+    schema = next(m.arrow_schema() for m in msgs if m.schema)
+    metadata = {ledger.OFFSETS_KEY: ledger.to_metadata(offsets) if offsets else "{}",
+                **options.commit_metadata}
+    metadata.update({"isb.appId": options.app_id, "isb.batchId": batch_id, "isb.rows": rows})
+    fast = options.mode == "merge" and _ledger_says_all_new(options, table, offsets, rows)
+    if fast:  # no row can be in the table: commit the files as they are (module docstring)
+        metadata.update({"isb.operation": "merge_insert_missing", "isb.key": ledger.ID_COLUMN,
+                         "isb.mergePath": "ledger-append"})
+    elif options.mode in ("merge", "upsert"):
+        commit = _commit_merge(options, actions, schema, metadata, rows, batch_id, where)
+        _clean_up(options, batch_id, offsets, where)
+        return commit
+    _commit_files(options, table, actions, schema, metadata, batch_id, where)
+    # Attempts that failed before this batch succeeded may have left files behind.
+    _clean_up(options, batch_id, offsets, where)
+    return BatchCommit(batch_id, DeltaTable(options.path).version(), len(actions), rows)
+
+
+def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: list[AddAction],
+                  schema: pa.Schema, metadata: dict, batch_id: int, where: str) -> None:
+    """Commit the tasks' files as they are, with the app transaction; create the table if absent."""
+    props = CommitProperties(
+        custom_metadata=metadata,
+        app_transactions=[Transaction(app_id=options.app_id, version=batch_id)],
+    )
+    if table is None:
+        create_table_with_add_actions(
+            options.path,
+            DeltaSchema.from_arrow(schema),
+            actions,
+            mode="append",
+            partition_by=list(options.partition_by) or None,
+            commit_properties=props,
+        )
+        return
+    check_schema(table, schema, where)
+    if list(table.metadata().partition_columns) != list(options.partition_by):
+        raise DeltaSchemaMismatch(
+            f"{where}: partitionBy {list(options.partition_by)} differs from the table's "
+            f"partition columns {table.metadata().partition_columns}; use the table's"
+        )
+    table.create_write_transaction(
+        actions,
+        mode="append",
+        schema=schema,
+        partition_by=list(options.partition_by) or None,
+        commit_properties=props,
+    )
+
+
+def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
+                  metadata: dict, rows: int, batch_id: int, where: str) -> BatchCommit:
+    """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge."""
+    batch = _read_batch_files(options, actions, schema)
+    superseded = 0
+    if options.version_column:
+        batch, superseded = latest_per_key(batch, options.merge_key, options.version_column,
+                                           where=where)
+    if options.mode == "upsert":
+        up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id,
+                          version=batch_id, metadata=metadata, partition_by=options.partition_by)
+        written, version = up.updated + up.inserted, up.version
+    else:
+        merged = merge_insert_missing(
+            options.path, batch, key=options.merge_key, app_id=options.app_id,
+            version=batch_id, metadata=metadata, partition_by=options.partition_by,
+        )
+        written, version = merged.inserted, merged.version
+    dropped = superseded if options.mode == "upsert" else rows - written
+    return BatchCommit(batch_id, version, 0, written, dropped=dropped)
+
+
+def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, offsets: dict, rows: int) -> bool:
+    """Merge mode, key ``_isb_id``: the batch's rows name ``rows`` distinct source offsets, none of
+    which the table's commits record: none of them can be in the table."""
+    if options.merge_key != (ledger.ID_COLUMN,) or options.version_column or table is None or not rows:
+        return False
+    if sum(ledger.count(r) for r in offsets.values()) != rows:  # ids that are no offsets, or repeated
+        return False
+    held = ledger.union(*(ledger.from_metadata(h.get(ledger.OFFSETS_KEY)) for h in table.history()))
+    return not any(ledger.overlaps(ranges, held.get(part) or []) for part, ranges in offsets.items())
+
+
+def _read_batch_files(options: DeltaSinkOptions, actions: list[AddAction],
+                      schema: pa.Schema) -> pa.Table:
+    """The rows of a batch's (uncommitted) files, partition columns restored from their values."""
+    tables = []
+    for a in actions:
+        t = pq.read_table(os.path.join(options.path, a.path))
+        for c in options.partition_by:
+            typ = schema.field(c).type
+            value = a.partition_values.get(c)
+            col = pa.array([value] * t.num_rows, pa.string())
+            t = t.append_column(c, col.cast(typ) if value is not None else pa.nulls(t.num_rows, typ))
+        tables.append(t.select(schema.names).cast(schema))
+    return pa.concat_tables(tables)
+
+
+def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: str) -> None:
+    """After the batch is in the table: remove its unreferenced files, record its offsets."""
+    remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+    _record_offsets(options, offsets, where)
+
+
+def _record_offsets(options: DeltaSinkOptions, offsets: dict, where: str) -> None:
+    """Add the batch's source offsets to the ledger KV (after the Delta commit; see module doc).
+
+    A failure is logged, not raised: the table's ``isb.offsets`` still hold the
+    offsets, and a ledger behind the table only makes recovery replay more.
+    """
+    if not offsets or not options.ledger_settings:
+        return
+    try:
+        ledger.record_sync(settings_from_json(options.ledger_settings), options.ledger_pipeline,
+                           options.ledger_sink, offsets)
+    except Exception as e:  # noqa: BLE001 - see docstring
+        _log.warning("%s: recording offsets in the ledger failed (%s); the commit's isb.offsets "
+                     "still hold them", where, e)
+
+
+class DeltaStreamWriter(DataSourceStreamArrowWriter):
+    """The ``isb-delta`` stream writer; see the module docstring for the protocol.
+
+    Created and pickled on the driver; holds only the validated options.
+    """
+
+    def __init__(self, options: DeltaSinkOptions, schema: StructType):
+        self.options = options
+        self.schema = schema
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
+        """Executor task: write this task's rows as Parquet files, return their add actions."""
+        ctx = TaskContext.get()
+        batch_id = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
+        if batch_id is None:
+            raise DeltaSinkError(
+                f"{SHORT_NAME} {self.options.path}: no streaming batch id in the task; "
+                "isb-delta is a streaming sink (writeStream.format('isb-delta'))"
+            )
+        return write_batch_files(self.options, iterator, int(batch_id), ctx.partitionId())
+
+    def commit(self, messages: list[DeltaCommitMessage | None], batchId: int) -> None:
+        """Driver, once per micro-batch after all tasks succeeded: one Delta commit."""
+        commit_batch(self.options, messages, batchId)
+
+    def abort(self, messages: list[DeltaCommitMessage | None], batchId: int) -> None:
+        """Driver, when a task failed: remove this batch's files the log does not reference."""
+        remove_unreferenced_batch_files(self.options.path, self.options.app_id, batchId)
+
+
+class DeltaSinkDataSource(DataSource):
+    """``df.writeStream.format("isb-delta").option("appId", ...).start("/abs/table")``.
+
+    Register once per session: ``spark.dataSource.register(DeltaSinkDataSource)``.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return SHORT_NAME
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DeltaStreamWriter:
+        if overwrite:
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME}: output mode complete/overwrite is not supported; use append"
+            )
+        options = DeltaSinkOptions.from_options(self.options)
+        checked = [("partitionBy", list(options.partition_by))]
+        if options.mode != "append":
+            checked.append(("mergeKey", list(options.merge_key)))
+        if options.version_column:
+            checked.append(("versionColumn", [options.version_column]))
+        for option, columns in checked:
+            missing = [c for c in columns if c not in schema.fieldNames()]
+            if missing:
+                raise DeltaSinkOptionError(
+                    f"{SHORT_NAME} at {options.path}: {option} columns {missing} are not in the "
+                    f"stream's columns {schema.fieldNames()}"
+                )
+        return DeltaStreamWriter(options, schema)
