@@ -176,45 +176,49 @@ def test_changed_limits_are_updated_in_place(nats_server, tmp_path):
     assert not apply(nats_server.settings, changed).changed
 
 
-def test_storage_change_is_reported_and_left_alone(nats_server, tmp_path):
+def test_storage_change_is_refused_and_nothing_is_applied(nats_server, tmp_path):
+    """All or nothing: a storage change without --recreate refuses the run, so the max_msgs
+    change (safe on its own) is not applied either."""
     apply(nats_server.settings, spec(tmp_path))
     changed = spec(tmp_path, storage="memory", maxMsgs=10)
-    report = apply(nats_server.settings, changed)
-    assert report.changed  # max_msgs was applied
+    with pytest.raises(provision.ProvisionRefused) as err:
+        apply(nats_server.settings, changed)
+    report = err.value.report
+    assert not report.changed and report.refused
     entry = next(r for r in report.resources if r.name == "isb-logs-dlq")
-    assert entry.action == Action.DRIFT
+    assert entry.action == Action.REFUSED and "--recreate" in entry.message
     by_field = {c.field: c for c in entry.changes}
-    assert not by_field["storage"].applied and by_field["max_msgs"].applied
-    assert "--recreate" in entry.message
+    assert by_field["storage"].cls == provision.ChangeClass.RECREATE and not by_field["storage"].applied
+    assert by_field["max_msgs"].cls == provision.ChangeClass.SAFE and not by_field["max_msgs"].applied
+    kv = next(r for r in report.resources if r.name == "isbflow-logs-control")
+    assert kv.action == Action.UNCHANGED  # KV storage follows persistence, not bufferConfig
     server = infos(nats_server.settings, changed)["isb-logs-dlq"].config
-    assert (server.storage, server.max_msgs) == ("file", 10)
-    # The drift stays visible, and nothing else is re-applied.
-    again = apply(nats_server.settings, changed)
-    dlq = next(r for r in again.resources if r.name == "isb-logs-dlq")
-    assert dlq.action == Action.DRIFT and [c.field for c in dlq.changes] == ["storage"]
-    assert not again.changed and len(again.pending) == len(again.resources) - 3  # KV storage unchanged
+    assert (server.storage, server.max_msgs) == ("file", -1)
+    assert "isb-logs-dlq: storage file -> memory: needs a recreate, 0 unread" in str(err.value)
     drift = asyncio.run(provision.diff(nats_server.settings, changed))
-    assert ("isb-logs-dlq", "storage", "memory", "file") in {
-        (d.resource, d.field, d.to_json()["spec"], d.to_json()["server"]) for d in drift}
+    assert ("isb-logs-dlq", "storage", "memory", "file", "recreate") in {
+        (d.resource, d.field, d.to_json()["spec"], d.to_json()["server"], d.to_json()["class"]) for d in drift}
 
 
 def test_recreate_is_refused_for_a_stream_with_messages_unless_forced(nats_server, tmp_path):
     apply(nats_server.settings, spec(tmp_path))
     publish(nats_server.settings, "isb.logs.enrich.raw.0", 5)
     changed = spec(tmp_path, storage="memory")
-    report = apply(nats_server.settings, changed, recreate=True)
-    acts = actions(report)
+    with pytest.raises(provision.ProvisionRefused) as err:
+        apply(nats_server.settings, changed, recreate=True)
+    acts = actions(err.value.report)
     assert acts["isb-logs-enrich-raw-0"] == Action.REFUSED
-    assert acts["isb-logs-enrich-minutely-0"] == Action.RECREATED  # empty: recreated
-    refused = next(r for r in report.resources if r.action == Action.REFUSED)
-    assert "5 message(s)" in refused.message
+    assert acts["isb-logs-enrich-minutely-0"] == Action.SKIPPED  # empty, but the run was refused
+    refused = next(r for r in err.value.report.resources if r.action == Action.REFUSED)
+    assert "5 message(s)" in refused.message and refused.unread == 5
     found = infos(nats_server.settings, changed)
     assert (found["isb-logs-enrich-raw-0"].config.storage, found["isb-logs-enrich-raw-0"].state.messages) == (
         "file", 5)
-    assert found["isb-logs-enrich-minutely-0"].config.storage == "memory"
+    assert found["isb-logs-enrich-minutely-0"].config.storage == "file"
 
     forced = apply(nats_server.settings, changed, recreate=True, force=True)
     assert actions(forced)["isb-logs-enrich-raw-0"] == Action.RECREATED
+    assert actions(forced)["isb-logs-enrich-minutely-0"] == Action.RECREATED
     raw = infos(nats_server.settings, changed)["isb-logs-enrich-raw-0"]
     assert (raw.config.storage, raw.state.messages) == ("memory", 0)
     assert asyncio.run(provision.diff(nats_server.settings, changed)) == []

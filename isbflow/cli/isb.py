@@ -1,8 +1,8 @@
 """``isbflow isb``: provision a pipeline's buffers (streams and KV buckets) on the ISB service.
 
-Exit codes: 0 success; 1 the operation failed or left the server differing from
-the spec (unreachable server, server refusal, drift needing --recreate, recreate
-refused); 2 bad input (spec, usage, delete without confirmation); 3 ``diff``
+Exit codes: 0 success; 1 the operation failed or was refused, leaving the server
+as it was (unreachable server, server refusal, a change needing --recreate or
+--force); 2 bad input (spec, usage, delete without confirmation); 3 ``diff``
 found drift (like ``terraform plan -detailed-exitcode``).
 """
 
@@ -22,6 +22,7 @@ from isbflow.cli.common import (
     SpecFile,
     call,
     console,
+    data_dir_or_default,
     fail,
     load_or_exit,
     print_json,
@@ -64,53 +65,76 @@ def apply(
     file: SpecFile,
     recreate: Annotated[bool, typer.Option(
         "--recreate", help="Delete and recreate streams whose storage or retention changed "
-                           "(refused for a stream that still holds messages).")] = False,
+                           "(refused for a stream that still holds messages unless --force).")] = False,
     force: Annotated[bool, typer.Option(
-        "--force", help="With --recreate: recreate even streams holding messages (they are lost).")] = False,
+        "--force", help="Apply changes that may discard unread messages; with --recreate, recreate "
+                        "streams that hold messages too (they are lost).")] = False,
     pipeline: PipelineName = None,
     nats_url: NatsUrl = None,
     data_dir: DataDir = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Create or update the pipeline's streams and KV buckets to match the spec. Idempotent.
+    """Create or update the pipeline's streams and KV buckets to match the spec. Idempotent, all or nothing.
 
-    Limits, replicas, duplicates window, max message size and metadata are updated
-    in place. Storage and retention cannot change in place: such a stream is
-    reported as drift and left alone unless --recreate is given.
+    Every change is classified before anything is applied: in place, safe; may
+    discard unread messages (a limit lowered below what a buffer holds unread,
+    discard new -> old on a bounded buffer); needs a recreate (storage, retention).
+    When any change is refused, nothing at all is applied and every buffer stays
+    as it was: a recreate needs --recreate; a recreate of a buffer holding
+    messages, or a change that may discard unread messages, needs --force.
 
-    Exit 0 when the server now matches the spec; 1 when something still differs
-    (drift needing --recreate, a refused recreate) or the server refused a change.
+    The service is checked first: at least jetstream.replicas servers, and an
+    embedded server under --data-dir running with the spec's store limits.
+
+    Exit 0 when the server now matches the spec; 1 when a change was refused
+    (each refused buffer, field, old -> new and unread count is named) or the
+    server refused a change.
 
     Examples:
+
+      isbflow isb diff -f pipelines/logs.yaml                     # see each change and its class first
 
       isbflow isb apply -f pipelines/logs.yaml
 
       isbflow isb apply -f pipelines/logs.yaml --recreate          # apply storage/retention changes
 
+      isbflow isb apply -f pipelines/logs.yaml --force             # accept losing unread messages
+
       isbflow isb apply -f pipelines/logs.yaml --nats-url nats://127.0.0.1:4222 --json
     """
-    if force and not recreate:
-        fail("--force only makes sense with --recreate", 2)
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     try:
-        report = call(ops_isb.apply, settings, specs, name, recreate=recreate, force=force)
+        report = call(ops_isb.apply, settings, specs, name, recreate=recreate, force=force,
+                      data_dir=data_dir_or_default(data_dir))
     except ops_isb.ProvisionError as e:
-        if json_out and e.report is not None:
-            print_json({**e.report.to_json(), "error": str(e)})
+        if e.report is not None:
+            if json_out:
+                print_json({**e.report.to_json(), "error": str(e)})
+            elif isinstance(e, ops_isb.ProvisionRefused):
+                _print_report(e.report)
         fail(str(e))
     if json_out:
         print_json(report.to_json())
     else:
-        table = _table([r.name for r in report.resources], "kind", "action", "changes")
-        for r in report.resources:
-            # a drift's message repeats what each "(needs --recreate)" says; --json keeps it
-            notes = [str(c) for c in r.changes] + ([r.message] if r.message and r.action != "drift" else [])
-            style = {"drift": "yellow", "refused": "red"}.get(r.action.value)
-            table.add_row(r.name, r.kind, r.action.value, "\n".join(notes), style=style)
-        console.print(table)
-    if report.pending:
-        names = ", ".join(r.name for r in report.pending)
-        fail(f"{len(report.pending)} resource(s) still differ from the spec: {names}")
+        _print_report(report)
+
+
+_NEEDS = {"safe": "", "may-discard": " (apply needs --force when a buffer holds unread messages)",
+          "recreate": " (apply needs --recreate, and --force when the buffer holds messages)"}
+
+
+def _print_report(report: ops_isb.ProvisionReport) -> None:
+    table = _table([r.name for r in report.resources])
+    table.add_column("action", no_wrap=True)
+    table.add_column("unread", no_wrap=True)
+    table.add_column("changes")
+    for r in report.resources:
+        # a refusal's message is printed below the table, line by line
+        notes = [str(c) for c in r.changes] + ([r.message] if r.message and r.action != "refused" else [])
+        style = {"refused": "red", "skipped": "yellow"}.get(r.action.value)
+        table.add_row(r.name, r.action.value, "" if r.unread is None else str(r.unread), "\n".join(notes),
+                      style=style)
+    console.print(table)
 
 
 @app.command()
@@ -121,7 +145,12 @@ def diff(
     data_dir: DataDir = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Show where the server differs from the spec, changing nothing.
+    """Show where the server differs from the spec, each change with its class; changes nothing.
+
+    Classes: "in place, safe"; "may discard unread messages" (apply needs
+    --force); "needs a recreate" (apply needs --recreate, and --force when the
+    buffer holds messages). The class is judged against what each buffer holds
+    now (its unread messages are shown).
 
     Exit 0 when in sync, 3 when there is drift (missing resources included),
     1 when the server cannot be reached: a script tests for 3.
@@ -133,17 +162,27 @@ def diff(
       isbflow isb diff -f pipelines/logs.yaml --json || [ $? -eq 3 ] && echo "drift"
     """
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
-    drifts = call(ops_isb.diff, settings, specs, name)
+    drifts = call(ops_isb.diff, settings, specs, name, data_dir=data_dir_or_default(data_dir))
     if json_out:
         print_json({"pipeline": name, "in_sync": not drifts, "drift": [d.to_json() for d in drifts]})
     elif not drifts:
         console.print(f"pipeline {name}: the ISB service matches the spec")
     else:
-        table = _table([d.resource for d in drifts], "kind", "field", "spec", "server")
+        table = _table([d.resource for d in drifts])
+        for column in ("field", "spec", "server", "class", "unread"):
+            table.add_column(column, no_wrap=column in ("field", "class"))
         for d in drifts:
             j = d.to_json()
-            table.add_row(d.resource, d.kind, d.field, str(j["spec"]), str(j["server"]))
+            style = {"may-discard": "red", "recreate": "yellow"}.get(d.cls.value)
+            table.add_row(d.resource, d.field, str(j["spec"]), str(j["server"]), d.cls.value,
+                          "" if d.unread is None else str(d.unread), style=style)
         console.print(table)
+        for c in ops_isb.ChangeClass:
+            if any(d.cls == c for d in drifts):
+                console.print(f"{c.value}: {c.label}{_NEEDS[c.value]}", markup=False, highlight=False)
+        for d in drifts:
+            if d.reason and d.cls.value != "safe":
+                console.print(f"  {d.resource} {d.field}: {d.reason}", markup=False, highlight=False)
     if drifts:
         raise typer.Exit(DRIFT_EXIT)
 

@@ -34,62 +34,85 @@ Every resource carries metadata ``isbflow.pipeline``, ``isbflow.role``, for edge
 the managed fields as provisioned, so drift is detectable from the server alone.
 
 Contract of :func:`apply` (idempotent; a second run reports every resource
-``unchanged``): it creates what is missing, updates in place what JetStream can
-update (limits, replicas, duplicates, max_msg_size, discard, description,
-metadata) and reports ``drift`` for what it cannot (``storage``, ``retention``),
-leaving that resource's data alone. With ``recreate=True`` such a stream is
-deleted and created again, unless it still holds messages: then it is
-``refused`` (nothing touched) unless ``force=True``. Server refusals (e.g.
-replicas above the cluster size) raise :class:`ProvisionError` naming the
-resource and what to do.
+``unchanged``), in two phases:
+
+1. **plan**, changing nothing: every resource is read from the server and every
+   differing field classified (:mod:`isbflow.isb.provision_plan`): *in place, safe*;
+   *may discard unread messages*; *needs a recreate* (storage, retention).
+2. **all or nothing**: when any change is refused, nothing at all is applied, every
+   buffer stays as it was, and :class:`ProvisionRefused` names each refused stream,
+   field, old -> new and unread count. Refused: a recreate without ``recreate=True``;
+   a recreate of a stream holding messages, or a change that may discard unread
+   messages, without ``force=True``. Otherwise it creates what is missing, updates
+   in place, and deletes and creates again what needs a recreate.
+
+The ISB service itself is checked first: it must have at least ``jetstream.replicas``
+servers (when the spec sets it) and as many as the largest replica count asked for;
+given the data dir, an embedded server recorded there must run with the store limits
+the spec sets (``settings.max_memory_store``/``max_file_store`` apply when isbflow
+starts that server, so a difference needs a restart, never a silent pass).
+Server refusals while applying raise :class:`ProvisionError` naming the resource and
+what to do (a change the server refuses midway cannot be rolled back).
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
-from enum import Enum, StrEnum
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from nats.errors import Error as NatsError
-from nats.js.api import (
-    DiscardPolicy,
-    KeyValueConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-    StreamInfo,
-)
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
-from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
+from isbflow.isb.provision_plan import (
+    Holding,
+    ResourcePlan,
+    compare,
+    holding,
+    needs_age,
+    refusal_message,
+)
+from isbflow.isb.provision_report import (
+    Action,
+    ChangeClass,
+    Drift,
+    FieldChange,
+    ProvisionReport,
+    ReplicaHealth,
+    ResourceResult,
+    StreamStatus,
+)
+from isbflow.isb.provision_resources import (
+    HASH_KEY,
+    IMMUTABLE_FIELDS,
+    KV_HISTORY,
+    META_PREFIX,
+    Kind,
+    Resource,
+    desired_resources,
+    discard_policy,
+    select_pipeline,
+    spec_hash,
+)
 from isbflow.isb.release import interest_hold_consumer
+from isbflow.isb.server import HOST, EmbeddedNatsError, read_state
 from isbflow.spec.load import Specs
-from isbflow.spec.models import Pipeline, Retention, Storage
 
 if TYPE_CHECKING:
+    import nats.aio.client
     from nats.js import JetStreamContext
 
-Kind = Literal["stream", "kv"]
-
-#: Fields JetStream cannot change on an existing stream: changing them needs a recreate.
-IMMUTABLE_FIELDS = frozenset({"storage", "retention"})
-META_PREFIX = "isbflow."
-HASH_KEY = "isbflow.spec-hash"
-KV_HISTORY = {"control": 5, "status": 1, "ledger": 5}
-
-_RETENTION = {
-    Retention.LIMITS: RetentionPolicy.LIMITS,
-    Retention.INTEREST: RetentionPolicy.INTEREST,
-    Retention.WORK_QUEUE: RetentionPolicy.WORK_QUEUE,
-}
-_STORAGE = {Storage.FILE: StorageType.FILE, Storage.MEMORY: StorageType.MEMORY}
-_DURATIONS = frozenset({"max_age", "duplicate_window"})
-_DEFAULT_DUPLICATES = 120.0  # what the server stores when duplicate_window is 0
+__all__ = ["HASH_KEY", "IMMUTABLE_FIELDS", "KV_HISTORY", "META_PREFIX", "Action", "ChangeClass", "Drift",
+           "FieldChange", "Kind", "ProvisionError", "ProvisionRefused", "ProvisionReport", "ReplicaHealth",
+           "Resource", "ResourceResult", "StreamStatus", "apply", "delete", "desired_resources", "diff",
+           "discard_policy", "plan", "select_pipeline", "spec_hash", "status"]
 
 
 class ProvisionError(Exception):
@@ -103,233 +126,22 @@ class ProvisionError(Exception):
         self.report = report
 
 
-class Action(StrEnum):
-    CREATED = "created"
-    UPDATED = "updated"
-    UNCHANGED = "unchanged"
-    DRIFT = "drift"  # differs in a field that needs a recreate; left alone
-    RECREATED = "recreated"
-    REFUSED = "refused"  # recreate asked for but the stream holds messages
+class ProvisionRefused(ProvisionError):
+    """A change was refused before anything was applied (the server is as it was).
 
-
-# ------------------------------------------------------------------ desired state
-
-
-@dataclass(frozen=True)
-class Resource:
-    """One thing isbflow provisions: a stream or a KV bucket, with its managed fields.
-
-    ``fields`` uses JetStream's config names and values (enums, seconds);
-    ``stream`` is the server-side stream (``KV_<bucket>`` for a bucket).
-    An unmanaged resource (a source stream the spec names with ``stream:``, which
-    its producers own) is created when missing and otherwise never changed.
+    ``report`` lists every resource: ``refused`` ones with their classified changes,
+    ``skipped`` ones that would have changed; the message has one line per refused change.
     """
-
-    name: str
-    kind: Kind
-    fields: dict[str, Any]
-    labels: dict[str, str]
-    managed: bool = True
-
-    @property
-    def stream(self) -> str:
-        return f"KV_{self.name}" if self.kind == "kv" else self.name
-
-    def metadata(self, fields: dict[str, Any] | None = None) -> dict[str, str]:
-        """Labels plus the hash of ``fields`` (default: the desired ones)."""
-        return {**self.labels, HASH_KEY: spec_hash(self.fields if fields is None else fields)}
-
-
-def spec_hash(fields: dict[str, Any]) -> str:
-    data = json.dumps({k: _plain(v) for k, v in sorted(fields.items())}, sort_keys=True)
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
-
-
-def select_pipeline(specs: Specs, pipeline: str | None = None) -> Pipeline:
-    """The named pipeline, or the only one when ``pipeline`` is None (else :class:`SpecError`)."""
-    return specs.select(pipeline)
-
-
-def discard_policy(retention: Retention, max_msgs: int, max_bytes: int) -> DiscardPolicy:
-    """``new`` for a bounded WorkQueue/Interest buffer, else ``old`` (module docstring says why)."""
-    bounded = max_msgs > 0 or max_bytes > 0
-    return DiscardPolicy.NEW if bounded and retention != Retention.LIMITS else DiscardPolicy.OLD
-
-
-def desired_resources(specs: Specs, pipeline: str | None = None) -> list[Resource]:
-    """Every stream and bucket the pipeline needs, configured from its ISB service. Pure."""
-    p = select_pipeline(specs, pipeline)
-    jet = specs.service_for(p).spec.jetstream
-    sc = jet.bufferConfig.stream
-    duplicates = sc.duplicates or (min(_DEFAULT_DUPLICATES, sc.maxAge) if sc.maxAge else _DEFAULT_DUPLICATES)
-    base = {
-        "retention": _RETENTION[sc.retention],
-        "storage": _STORAGE[sc.storage],
-        "max_msgs": sc.maxMsgs,
-        "max_bytes": sc.maxBytes,
-        "max_age": sc.maxAge,
-        "num_replicas": sc.replicas,
-        "duplicate_window": duplicates,
-        "max_msg_size": jet.settings.max_payload,
-        "discard": discard_policy(sc.retention, sc.maxMsgs, sc.maxBytes),
-        "allow_direct": True,
-    }
-    out: list[Resource] = []
-
-    def stream(name: str, subjects: list[str], description: str, managed: bool = True, **labels: str) -> None:
-        fields = {**base, "subjects": subjects, "description": description}
-        out.append(Resource(name, "stream", fields, {"isbflow.pipeline": p.name, **labels}, managed))
-
-    for v in p.spec.vertices:
-        if v.source is not None and v.source.jetstream is not None:
-            stream(naming.source_stream(p, v.name), [v.source.jetstream.subject],
-                   f"isbflow pipeline {p.name}: events of source {v.name}",
-                   managed=v.source.jetstream.stream is None,
-                   **{"isbflow.role": "source", "isbflow.vertex": v.name})
-    for ep in naming.edge_partitions(p):
-        stream(ep.stream, [ep.subject],
-               f"isbflow pipeline {p.name}: buffer {ep.from_vertex} -> {ep.to_vertex}, partition {ep.partition}",
-               **{"isbflow.role": "edge", "isbflow.edge": f"{ep.from_vertex}->{ep.to_vertex}",
-                  "isbflow.partition": str(ep.partition)})
-    stream(naming.dlq_stream(p.name), [f"isb.{p.name}.dlq.>"],
-           f"isbflow pipeline {p.name}: dead letters", **{"isbflow.role": "dlq"})
-    storage = StorageType.FILE if jet.persistence else StorageType.MEMORY
-    for role, bucket in (("control", naming.control_bucket(p.name)), ("status", naming.status_bucket(p.name)),
-                         ("ledger", naming.ledger_bucket(p.name))):
-        fields = {
-            "description": f"isbflow pipeline {p.name}: {role}",
-            "storage": storage,
-            "num_replicas": sc.replicas,
-            "max_msgs_per_subject": KV_HISTORY[role],
-            "allow_direct": True,
-        }
-        out.append(Resource(bucket, "kv", fields, {"isbflow.pipeline": p.name, "isbflow.role": role}))
-    return out
-
-
-# ------------------------------------------------------------------ reports
-
-
-def _plain(v: Any) -> Any:
-    return v.value if isinstance(v, Enum) else v
-
-
-def _same(name: str, a: Any, b: Any) -> bool:
-    if name in _DURATIONS:
-        return round((a or 0) * 1e9) == round((b or 0) * 1e9)
-    return _plain(a) == _plain(b)
-
-
-@dataclass(frozen=True)
-class FieldChange:
-    field: str
-    old: Any
-    new: Any
-    applied: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {"field": self.field, "old": _plain(self.old), "new": _plain(self.new), "applied": self.applied}
-
-    def __str__(self) -> str:
-        mark = "" if self.applied else " (needs --recreate)"
-        return f"{self.field}: {_plain(self.old)} -> {_plain(self.new)}{mark}"
-
-
-@dataclass
-class ResourceResult:
-    name: str
-    kind: Kind
-    action: Action
-    changes: list[FieldChange] = field(default_factory=list)
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "action": self.action.value,
-                "changes": [c.to_json() for c in self.changes], "message": self.message}
-
-
-@dataclass
-class ProvisionReport:
-    pipeline: str
-    resources: list[ResourceResult] = field(default_factory=list)
-
-    @property
-    def changed(self) -> bool:
-        """True when the server was modified (created, updated, recreated anything, or updated
-        the in-place fields of a resource left in drift)."""
-        return any(r.action in (Action.CREATED, Action.UPDATED, Action.RECREATED)
-                   or (r.action == Action.DRIFT and any(c.applied for c in r.changes))
-                   for r in self.resources)
-
-    @property
-    def pending(self) -> list[ResourceResult]:
-        """Resources still differing from the spec after apply (drift or refused)."""
-        return [r for r in self.resources if r.action in (Action.DRIFT, Action.REFUSED)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "changed": self.changed, "pending": len(self.pending),
-                "resources": [r.to_json() for r in self.resources]}
-
-
-@dataclass(frozen=True)
-class Drift:
-    """One difference between spec and server; ``field == "exists"`` for a missing resource."""
-
-    resource: str
-    kind: Kind
-    field: str
-    spec: Any
-    server: Any
-
-    def to_json(self) -> dict[str, Any]:
-        return {"resource": self.resource, "kind": self.kind, "field": self.field,
-                "spec": _plain(self.spec), "server": _plain(self.server)}
-
-
-@dataclass(frozen=True)
-class ReplicaHealth:
-    name: str | None
-    current: bool | None
-    offline: bool | None
-    lag: int | None
-    active: float | None  # seconds since the peer was last seen
-
-
-@dataclass
-class StreamStatus:
-    """Server state of one resource; ``exists`` False when it is missing (numbers then 0)."""
-
-    name: str
-    kind: Kind
-    exists: bool
-    messages: int = 0
-    bytes: int = 0
-    first_seq: int = 0
-    last_seq: int = 0
-    consumer_count: int = 0
-    replicas: int = 0
-    leader: str | None = None
-    peers: list[ReplicaHealth] = field(default_factory=list)
-
-    @property
-    def values(self) -> int | None:
-        """For a KV bucket: values stored (history included), as ``nats kv status`` counts."""
-        return self.messages if self.kind == "kv" else None
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["values"] = self.values
-        return d
 
 
 # ------------------------------------------------------------------ server side
 
 
 @asynccontextmanager
-async def _jetstream(settings: NatsSettings) -> AsyncIterator[JetStreamContext]:
+async def _jetstream(settings: NatsSettings) -> AsyncIterator[tuple[nats.aio.client.Client, JetStreamContext]]:
     async with session(settings, name="isbflow-provision") as nc:
         # creating an R3 stream forms a raft group: allow for a busy small machine
-        yield nc.jetstream(timeout=30.0)
+        yield nc, nc.jetstream(timeout=30.0)
 
 
 async def _info(js: JetStreamContext, stream: str) -> StreamInfo | None:
@@ -339,41 +151,112 @@ async def _info(js: JetStreamContext, stream: str) -> StreamInfo | None:
         return None
 
 
-def _compare(r: Resource, config: StreamConfig) -> tuple[list[FieldChange], FieldChange | None]:
-    """Field differences (immutable ones not applied) and a metadata difference, if any.
-
-    The metadata expected is the one of the state after an in-place update:
-    desired fields, with immutable fields kept at the server's values.
-    """
-    changes = []
-    for name, want in r.fields.items():
-        have = getattr(config, name)
-        if not _same(name, have, want):
-            changes.append(FieldChange(name, have, want, applied=name not in IMMUTABLE_FIELDS))
-    post = {**r.fields, **{c.field: c.old for c in changes if not c.applied}}
-    want_meta = r.metadata(post)
-    have_meta = {k: v for k, v in (config.metadata or {}).items() if k.startswith(META_PREFIX)}
-    meta = None
-    if have_meta != want_meta:
-        meta = FieldChange("metadata", have_meta.get(HASH_KEY), want_meta[HASH_KEY], applied=True)
-    return changes, meta
-
-
 def _server_error(verb: str, r: Resource, settings: NatsSettings, e: Exception) -> ProvisionError:
     desc = getattr(e, "description", None) or str(e) or type(e).__name__
     what = f"{verb} {'KV bucket' if r.kind == 'kv' else 'stream'} {r.name} on the ISB service at {settings.display}"
     hint = ""
     replicas = r.fields.get("num_replicas", 1)
     if replicas > 1 and ("replicas" in desc.lower() or "insufficient resources" in desc.lower()):
-        hint = (f": bufferConfig.stream.replicas is {replicas}, so the service needs a JetStream cluster "
-                f"of at least {replicas} servers (e.g. 'isbflow nats up --cluster 3'); "
-                "or lower bufferConfig.stream.replicas")
+        hint = _replicas_hint(replicas)
     elif "insufficient storage" in desc.lower() and r.fields.get("max_bytes", -1) > 0:
         hint = (f": JetStream reserves max_bytes ({r.fields['max_bytes']} bytes, bufferConfig.stream.maxBytes) "
                 "for every stream up front; lower maxBytes, or give the server more "
                 f"{'memory' if r.fields['storage'] == StorageType.MEMORY else 'file'} store "
                 "(jetstream max_file_store / max_memory_store)")
     return ProvisionError(f"{what} failed: {desc}{hint}")
+
+
+def _replicas_hint(replicas: int) -> str:
+    return (f": bufferConfig.stream.replicas is {replicas}, so the service needs a JetStream cluster "
+            f"of at least {replicas} servers (e.g. 'isbflow nats up --cluster {replicas}'); "
+            "or lower bufferConfig.stream.replicas")
+
+
+def server_count(nc: nats.aio.client.Client) -> int | None:
+    """JetStream servers of the service, from the connected server's INFO (the client URLs of
+    its cluster, gossiped); 1 for a server outside a cluster; None when a cluster does not say."""
+    info = getattr(nc, "_server_info", None) or {}
+    urls = info.get("connect_urls") or []
+    if urls:
+        return len(set(urls))
+    return None if info.get("cluster") else 1
+
+
+STORE_LIMITS = ("max_memory_store", "max_file_store")
+#: how long apply waits for a just-started cluster to report all its servers
+SERVERS_WAIT_S = 10.0
+
+
+def embedded_limits(settings: NatsSettings, data_dir: Path | str | None) -> dict[str, int] | None:
+    """``max_memory_store``/``max_file_store`` of the embedded nats-server recorded under
+    ``data_dir`` (its monitoring endpoint), when ``settings`` point at it; None otherwise
+    (no data dir, no such server, an external server)."""
+    if data_dir is None:
+        return None
+    try:
+        state = read_state(data_dir)
+    except EmbeddedNatsError:
+        return None
+    if state is None or not state.nodes or not all(state.alive()):
+        return None
+    ports = {urlsplit(u if "://" in u else f"nats://{u}").port for u in settings.servers}
+    if not ports or not ports <= {n.client_port for n in state.nodes}:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{state.nodes[0].http_port}/jsz", timeout=5) as r:
+            config = json.load(r).get("config") or {}
+    except (OSError, ValueError):
+        return None
+    return {"max_memory_store": config.get("max_memory"), "max_file_store": config.get("max_storage")}
+
+
+def store_drift(specs: Specs, pipeline: str, limits: dict[str, int] | None) -> list[tuple[str, int, int]]:
+    """(field, spec, server) for each store limit the spec sets that the embedded server does not run with."""
+    settings = specs.service_for(specs.select(pipeline)).spec.jetstream.settings
+    out = []
+    for f in STORE_LIMITS:
+        want, have = getattr(settings, f), (limits or {}).get(f)
+        if f in settings.model_fields_set and want > 0 and have is not None and have != want:
+            out.append((f, want, have))
+    return out
+
+
+async def _servers(nc: nats.aio.client.Client, wanted: int, wait: float = SERVERS_WAIT_S) -> int | None:
+    """:func:`server_count`, waiting up to ``wait`` seconds for it to reach ``wanted``: a cluster
+    that just started gossips its members' URLs while its routes form (the client learns them
+    from the server's INFO updates)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        count = server_count(nc)
+        clustered = bool((getattr(nc, "_server_info", None) or {}).get("cluster"))
+        if count is None or count >= wanted or not clustered or loop.time() >= deadline:
+            return count
+        await asyncio.sleep(0.2)
+
+
+async def _check_service(nc: nats.aio.client.Client, specs: Specs, pipeline: str, resources: list[Resource],
+                         settings: NatsSettings, limits: dict[str, int] | None = None) -> None:
+    """Before anything is applied: the service has the servers and the store limits the spec asks for."""
+    for f, want, have in store_drift(specs, pipeline, limits):
+        raise ProvisionError(
+            f"settings.{f} is {want} bytes but the embedded nats-server at {settings.display} runs with {have}: "
+            "the store limits apply when isbflow starts the server; stop it ('isbflow nats down') and start it "
+            f"from the spec ('isbflow platform up --pipeline-file SPEC'), or set settings.{f} to {have}")
+    jet = specs.service_for(specs.select(pipeline)).spec.jetstream
+    want = max((r.fields.get("num_replicas", 1) for r in resources), default=1)
+    servers = await _servers(nc, max(want, jet.replicas or 1))
+    if servers is None:
+        return
+    where = f"the ISB service at {settings.display} has {servers} JetStream server(s)"
+    if jet.replicas is not None and jet.replicas > servers:
+        raise ProvisionError(
+            f"{where}, the spec asks for {jet.replicas} (jetstream.replicas): isbflow does not start servers "
+            f"for a running service; start {jet.replicas} (e.g. 'isbflow nats up --cluster {jet.replicas}'), "
+            "or lower jetstream.replicas")
+    if want > servers:
+        first = next(r for r in resources if r.fields.get("num_replicas", 1) == want)
+        raise ProvisionError(f"{where}: stream {first.name} and the others need {want} replicas{_replicas_hint(want)}")
 
 
 async def _ensure_hold(js: JetStreamContext, r: Resource) -> None:
@@ -407,93 +290,135 @@ def _updated(config: StreamConfig, changes: dict[str, Any], metadata: dict[str, 
     return config.evolve(**changes, metadata={**kept, **metadata})
 
 
-async def _apply_one(js: JetStreamContext, r: Resource, settings: NatsSettings,
-                     recreate: bool, force: bool) -> ResourceResult:
+async def _plan_one(js: JetStreamContext, r: Resource) -> ResourcePlan:
     info = await _info(js, r.stream)
-    if info is None:
-        try:
+    if info is None or not r.managed:
+        held = Holding(info.state.messages, info.state.bytes, info.state.messages) if info else Holding()
+        return ResourcePlan(r, info, holding=held)
+    held = await holding(js, r, info, needs_age(r, info.config))
+    changes, meta = compare(r, info.config, held)
+    return ResourcePlan(r, info, changes, meta, held)
+
+
+async def _plan(js: JetStreamContext, resources: list[Resource]) -> list[ResourcePlan]:
+    return [await _plan_one(js, r) for r in resources]
+
+
+async def _execute(js: JetStreamContext, p: ResourcePlan, settings: NatsSettings) -> ResourceResult:
+    r, action = p.resource, p.action
+    verb = {Action.CREATED: "creating", Action.RECREATED: "recreating"}.get(action, "updating")
+    try:
+        if action == Action.CREATED:
             await _create(js, r)
-        except NatsError as e:
-            raise _server_error("creating", r, settings, e) from None
-        return ResourceResult(r.name, r.kind, Action.CREATED)
-    if not r.managed:
-        return ResourceResult(r.name, r.kind, Action.UNCHANGED, message="named in the spec: not managed")
-    await _ensure_hold(js, r)
-    changes, meta = _compare(r, info.config)
-    needs_recreate = [c for c in changes if not c.applied]
-    if needs_recreate and recreate:
-        held = info.state.messages
-        if held > 0 and not force:
-            return ResourceResult(
-                r.name, r.kind, Action.REFUSED, changes,
-                f"holds {held} message(s) that a recreate would lose; drain the pipeline first, "
-                "or pass --force to drop them")
-        try:
+        elif action == Action.RECREATED:
             await js.delete_stream(r.stream)
             await _create(js, r)
-        except NatsError as e:
-            raise _server_error("recreating", r, settings, e) from None
-        applied = [FieldChange(c.field, c.old, c.new, applied=True) for c in changes]
-        return ResourceResult(r.name, r.kind, Action.RECREATED, applied,
-                              f"dropped {held} message(s)" if held else "")
-    in_place = {c.field: c.new for c in changes if c.applied}
-    if in_place or meta is not None:
-        post = {**r.fields, **{c.field: c.old for c in needs_recreate}}
-        try:
-            await js.update_stream(_updated(info.config, in_place, r.metadata(post)))
-        except NatsError as e:
-            raise _server_error("updating", r, settings, e) from None
-    shown = changes if changes else ([meta] if meta is not None else [])
-    if needs_recreate:
-        fields = ", ".join(c.field for c in needs_recreate)
-        return ResourceResult(r.name, r.kind, Action.DRIFT, shown,
-                              f"{fields} cannot change in place: re-run with --recreate")
-    return ResourceResult(r.name, r.kind, Action.UPDATED if shown else Action.UNCHANGED, shown)
+        elif r.managed:
+            await _ensure_hold(js, r)
+            if action == Action.UPDATED:
+                assert p.info is not None
+                await js.update_stream(_updated(p.info.config, {c.field: c.new for c in p.changes}, r.metadata()))
+    except NatsError as e:
+        raise _server_error(verb, r, settings, e) from None
+    message = ""
+    if action == Action.RECREATED and p.holding.messages:
+        message = f"dropped {p.holding.messages} message(s), {p.holding.unread} unread"
+    elif not r.managed and p.exists:
+        message = "named in the spec: not managed"
+    elif any(c.cls == ChangeClass.MAY_DISCARD for c in p.changes):
+        message = "forced: " + "; ".join(c.reason for c in p.changes if c.cls == ChangeClass.MAY_DISCARD)
+    return p.result(applied=action != Action.UNCHANGED, message=message)
 
 
 # ------------------------------------------------------------------ public API
 
 
+async def plan(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
+               recreate: bool = False, force: bool = False) -> list[ResourcePlan]:
+    """What :func:`apply` would do to each resource, every change classified; changes nothing."""
+    p = select_pipeline(specs, pipeline)
+    resources = desired_resources(specs, p.name)
+    async with _jetstream(settings) as (_, js):
+        plans = await _plan(js, resources)
+    for rp in plans:
+        rp.decide(recreate, force)
+    return plans
+
+
 async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
-                recreate: bool = False, force: bool = False) -> ProvisionReport:
-    """Make the server match the spec (see the module docstring for the contract)."""
+                recreate: bool = False, force: bool = False, data_dir: Path | str | None = None) -> ProvisionReport:
+    """Make the server match the spec, all or nothing (see the module docstring for the contract).
+
+    With ``data_dir``, an embedded server recorded there must also run with the store limits
+    the spec sets (``settings.max_memory_store``/``max_file_store``).
+    Raises :class:`ProvisionRefused` (nothing applied) when a change is refused, and
+    :class:`ProvisionError` when the service lacks servers or store limits, or refuses a change.
+    """
     p = select_pipeline(specs, pipeline)
     resources = desired_resources(specs, p.name)
     report = ProvisionReport(p.name)
-    async with _jetstream(settings) as js:
-        for r in resources:
+    limits = embedded_limits(settings, data_dir)
+    async with _jetstream(settings) as (nc, js):
+        try:
+            await _check_service(nc, specs, p.name, resources, settings, limits)
+        except ProvisionError as e:
+            e.report = report
+            raise
+        plans = await _plan(js, resources)
+        for rp in plans:
+            rp.decide(recreate, force)
+        if any(rp.refusal for rp in plans):
+            for rp in plans:
+                if rp.refusal:
+                    report.resources.append(rp.result(Action.REFUSED, message=rp.refusal))
+                else:
+                    skipped = Action.UNCHANGED if rp.action == Action.UNCHANGED else Action.SKIPPED
+                    report.resources.append(rp.result(skipped))
+            raise ProvisionRefused(refusal_message(plans), report)
+        for rp in plans:
             try:
-                report.resources.append(await _apply_one(js, r, settings, recreate, force))
+                report.resources.append(await _execute(js, rp, settings))
             except ProvisionError as e:
                 e.report = report
                 raise
     return report
 
 
-async def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[Drift]:
-    """Every difference between spec and server, missing resources included; [] when in sync."""
-    resources = desired_resources(specs, pipeline)
-    out: list[Drift] = []
-    async with _jetstream(settings) as js:
-        for r in resources:
-            info = await _info(js, r.stream)
-            if info is None:
-                out.append(Drift(r.name, r.kind, "exists", True, False))
-                continue
-            if not r.managed:
-                continue
-            changes, meta = _compare(r, info.config)
-            out.extend(Drift(r.name, r.kind, c.field, c.new, c.old) for c in changes)
-            if not changes and meta is not None:
-                out.append(Drift(r.name, r.kind, HASH_KEY, meta.new, meta.old))
+async def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
+               data_dir: Path | str | None = None) -> list[Drift]:
+    """Every difference between spec and server, missing resources included, each with the class
+    its change would have now (:class:`ChangeClass`); [] when in sync. Changes nothing.
+
+    With ``data_dir``, store limits the spec sets that the embedded server recorded there does
+    not run with come first (resource ``nats-server``, class ``recreate``: a server restart)."""
+    name = select_pipeline(specs, pipeline).name
+    out: list[Drift] = [
+        Drift("nats-server", "server", f"settings.{f}", want, have, ChangeClass.RECREATE,
+              reason="applies when isbflow starts the embedded server: restart it from the spec")
+        for f, want, have in store_drift(specs, name, embedded_limits(settings, data_dir))]
+    for rp in await plan(settings, specs, pipeline):
+        r = rp.resource
+        if not rp.exists:
+            out.append(Drift(r.name, r.kind, "exists", True, False))
+            continue
+        if not r.managed:
+            continue
+        unread = rp.holding.unread
+        out.extend(Drift(r.name, r.kind, c.field, c.new, c.old, c.cls, unread, c.reason) for c in rp.changes)
+        if not rp.changes and rp.meta is not None:
+            out.append(Drift(r.name, r.kind, HASH_KEY, rp.meta.new, rp.meta.old, unread=unread))
     return out
+
+
+_SHOWN_CONFIG = ("retention", "storage", "max_msgs", "max_bytes", "max_age", "discard", "num_replicas",
+                 "duplicate_window", "max_msg_size", "max_msgs_per_subject")
 
 
 async def status(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[StreamStatus]:
     """Server state of every resource of the pipeline, in :func:`desired_resources` order."""
     resources = desired_resources(specs, pipeline)
     out: list[StreamStatus] = []
-    async with _jetstream(settings) as js:
+    async with _jetstream(settings) as (_, js):
         for r in resources:
             info = await _info(js, r.stream)
             if info is None:
@@ -502,9 +427,10 @@ async def status(settings: NatsSettings, specs: Specs, pipeline: str | None = No
             st, cl = info.state, info.cluster
             peers = [ReplicaHealth(p.name, p.current, p.offline, p.lag, None if p.active is None else p.active / 1e9)
                      for p in (cl.replicas or [])] if cl else []
+            config = {k: getattr(info.config, k, None) for k in _SHOWN_CONFIG}
             out.append(StreamStatus(
                 r.name, r.kind, True, st.messages, st.bytes, st.first_seq, st.last_seq, st.consumer_count,
-                info.config.num_replicas or 1, cl.leader if cl else None, peers))
+                info.config.num_replicas or 1, cl.leader if cl else None, peers, config))
     return out
 
 
@@ -515,7 +441,7 @@ async def delete(settings: NatsSettings, specs: Specs, pipeline: str | None = No
     """
     resources = desired_resources(specs, pipeline)
     deleted: list[str] = []
-    async with _jetstream(settings) as js:
+    async with _jetstream(settings) as (_, js):
         for r in resources:
             if not r.managed:
                 continue

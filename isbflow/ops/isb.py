@@ -7,32 +7,47 @@ Synchronous wrappers of :mod:`isbflow.isb.provision` (see it for the contract).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from isbflow.isb import provision
 from isbflow.isb.connect import IsbUnreachable as Unreachable
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.provision import (
     Action,
+    ChangeClass,
     Drift,
     ProvisionError,
+    ProvisionRefused,
     ProvisionReport,
     StreamStatus,
     desired_resources,
 )
 from isbflow.spec import Specs
 
-__all__ = ["Action", "Drift", "ProvisionError", "ProvisionReport", "StreamStatus", "Unreachable", "apply",
-           "delete", "diff", "planned_count", "status"]
+__all__ = ["Action", "ChangeClass", "Drift", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
+           "Unreachable", "apply", "delete", "diff", "planned_count", "status"]
 
 
 def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, recreate: bool = False,
-          force: bool = False) -> ProvisionReport:
-    """Make the server hold the buffers the spec asks for (idempotent)."""
-    return asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force))
+          force: bool = False, data_dir: Path | None = None) -> ProvisionReport:
+    """Make the server hold the buffers the spec asks for (idempotent, all or nothing).
+
+    Raises :class:`ProvisionRefused` when a change is refused (nothing applied): a recreate
+    without ``recreate``, or without ``force`` a recreate of a stream holding messages or a
+    change that may discard unread messages. With ``data_dir``, an embedded server recorded
+    there must run with the store limits the spec sets.
+    """
+    return asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
+                                       data_dir=data_dir))
 
 
-def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[Drift]:
-    return asyncio.run(provision.diff(settings, specs, pipeline))
+def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
+         data_dir: Path | None = None) -> list[Drift]:
+    """Every difference, each with the class its change would have now; changes nothing.
+
+    With ``data_dir``, the embedded server recorded there is checked for the spec's store limits too.
+    """
+    return asyncio.run(provision.diff(settings, specs, pipeline, data_dir=data_dir))
 
 
 def status(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[StreamStatus]:

@@ -16,9 +16,6 @@ a dangling edge reports both.
 
 from __future__ import annotations
 
-import difflib
-import re
-import reprlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,16 +24,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from isbflow.spec import numaflow
 from isbflow.spec.errors import SpecError, SpecProblem
 from isbflow.spec.graph import check_graph
+from isbflow.spec.messages import Loc, describe, field_path, shown, suggest
 from isbflow.spec.models import InterStepBufferService, Pipeline
 
 KINDS: dict[str, type[BaseModel]] = {
     "Pipeline": Pipeline,
     "InterStepBufferService": InterStepBufferService,
 }
-
-Loc = tuple[str | int, ...]
 
 #: bounds that keep validation fast and small for any input (a real spec is a few KB)
 MAX_SPEC_CHARS = 1 << 20
@@ -85,7 +82,7 @@ class _Document:
     node: yaml.Node
 
     def problem(self, loc: Loc, message: str) -> SpecProblem:
-        return SpecProblem(self.file, _path(loc), message, _line_of(self.node, loc))
+        return SpecProblem(self.file, field_path(loc), message, _line_of(self.node, loc))
 
 
 def _read_documents(path: Path, shown: str) -> tuple[list[_Document], list[SpecProblem]]:
@@ -115,9 +112,10 @@ def _read_documents(path: Path, shown: str) -> tuple[list[_Document], list[SpecP
         while loader.check_node():
             node = loader.get_node()
             doc = _Document(shown, loader.construct_document(node), node)
-            problems.extend(SpecProblem(shown, _path(loc), msg, line)
+            problems.extend(SpecProblem(shown, field_path(loc), msg, line)
                             for loc, msg, line in _duplicate_keys(node, ()))
             if doc.data is not None:
+                problems.extend(_expand_strings(doc))
                 docs.append(doc)
     except yaml.YAMLError as e:
         raise SpecError([_yaml_problem(shown, text, e)]) from None
@@ -183,6 +181,69 @@ def _shape_problem(text: str) -> tuple[str, int] | None:
     return None
 
 
+def _expand_strings(doc: _Document) -> list[SpecProblem]:
+    """Numaflow writes an ISB service's ``settings`` and ``bufferConfig`` as YAML strings
+    (``bufferConfig: |`` and a block): parse each into the mapping it stands for, in place.
+
+    The string is read like a file (same nesting, alias and duplicate-key rules); a problem
+    inside it, and any field error below it later, is located at the outer field's line.
+    """
+    data = doc.data
+    if not isinstance(data, dict) or data.get("kind") != "InterStepBufferService":
+        return []
+    problems = []
+    for loc in numaflow.STRING_FIELDS:
+        parent = data
+        for part in loc[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or not isinstance(parent.get(loc[-1]), str):
+            continue
+        text = parent[loc[-1]]
+        try:
+            value, dups = _parse_string_block(text)
+        except _BlockError as e:
+            problems.append(doc.problem(loc, f"{loc[-1]} is a YAML string (Numaflow's form) that {e}"))
+            parent[loc[-1]] = {}  # reported: validate the rest without a second problem here
+            continue
+        if value is None:
+            value = {}  # an empty block sets nothing
+        elif not isinstance(value, dict):
+            problems.append(doc.problem(loc, f"{loc[-1]} as a string must hold a YAML mapping (key: value lines, "
+                                             f"as Numaflow writes it), got {shown(value)}"))
+            value = {}
+        problems.extend(doc.problem(loc + sub, msg) for sub, msg in dups)
+        parent[loc[-1]] = value
+    return problems
+
+
+class _BlockError(Exception):
+    pass
+
+
+def _parse_string_block(text: str) -> tuple[Any, list[tuple[Loc, str]]]:
+    """The value a YAML string holds, and its duplicate keys (path inside it, message).
+    Raises :class:`_BlockError` naming what is wrong, with the line inside the string."""
+    try:
+        shape = _shape_problem(text)
+        if shape is not None:
+            message, line = shape
+            raise _BlockError(f"is {message} (line {line} of the string)")
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            value = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        where = f" (line {mark.line + 1} of the string)" if mark else ""
+        raise _BlockError(f"is not valid YAML: {problem}{where}") from None
+    dups = [(loc, f"{msg} (line {line} of the string)") for loc, msg, line in _duplicate_keys(node, ())] \
+        if node is not None else []
+    return value, dups
+
+
 def _duplicate_keys(node: yaml.Node, loc: Loc) -> Iterator[tuple[Loc, str, int]]:
     """PyYAML keeps the last of two equal keys silently; a spec must not."""
     if isinstance(node, yaml.MappingNode):
@@ -217,125 +278,6 @@ def _line_of(node: yaml.Node, loc: Loc) -> int:
         else:
             break
     return line
-
-
-def _path(loc: Loc) -> str:
-    """``("spec", "vertices", 2, "partitions")`` -> ``vertices[2].partitions``."""
-    if len(loc) > 1 and loc[0] == "spec":
-        loc = loc[1:]
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-# ------------------------------------------------------- field validation
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 57
-_REPR.maxlist = _REPR.maxdict = 6
-_REPR.maxlevel = 2
-
-
-def _shown(value: Any) -> str:
-    """A value as the user wrote it, cut to about 60 characters (never the repr of a huge value)."""
-    text = _REPR.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-_TYPE_RULES = {
-    "int": "must be an integer",
-    "float": "must be a number",
-    "string": "must be a string",
-    "bool": "must be true or false",
-    "list": "must be a list",
-    "dict": "must be a mapping",
-    "model": "must be a mapping",
-    "model_attributes": "must be a mapping",
-}
-
-
-def _describe(err: dict[str, Any], model: type[BaseModel]) -> tuple[Loc, str]:
-    """A pydantic error as (location in the document, message worded for the user)."""
-    # pydantic puts the failing union member / validator into loc for some
-    # error types ("function-after[...]", "str"); keep only field names.
-    loc: Loc = tuple(p for p in err["loc"]
-                     if isinstance(p, int) or ("[" not in p and not p.startswith("function")))
-    kind: str = err["type"]
-    msg: str = err["msg"]
-    got = f", got {_shown(err.get('input'))}"
-    if kind == "extra_forbidden":
-        name = str(loc[-1]) if loc else "?"
-        msg = f"unknown field {name!r}"
-        known = _known_fields(model, loc[:-1])
-        close = difflib.get_close_matches(name, known, n=1)
-        if close:
-            msg += f" (did you mean {close[0]!r}?)"
-        elif known:
-            msg += f" (allowed: {', '.join(sorted(known))})"
-    elif kind == "missing":
-        msg = "required field is missing"
-    elif kind in ("value_error", "assertion_error"):
-        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    elif kind in ("literal_error", "enum"):
-        expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-        msg = f"must be one of {', '.join(repr(e) for e in expected)}{got}"
-        hint = _suggest(err.get("input"), expected)
-        if hint:
-            msg += f" (did you mean {hint!r}?)"
-    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
-              "less_than": "<"}[kind]
-        bound = next(iter(err.get("ctx", {}).values()), "?")
-        msg = f"must be {op} {bound}{got}"
-    elif kind.removesuffix("_type").removesuffix("_parsing").removesuffix("_from_float") in _TYPE_RULES:
-        msg = _TYPE_RULES[kind.removesuffix("_type").removesuffix("_parsing").removesuffix("_from_float")] + got
-    else:
-        msg = msg[:1].lower() + msg[1:] + got
-    return loc, msg
-
-
-def _suggest(value: Any, allowed: Sequence[str]) -> str | None:
-    if not isinstance(value, str):
-        return None
-    for a in allowed:
-        if a.lower() == value.lower():
-            return a
-    close = difflib.get_close_matches(value, list(allowed), n=1)
-    return close[0] if close else None
-
-
-def _known_fields(model: type[BaseModel], loc: Loc) -> list[str]:
-    """Field names (by alias) allowed at ``loc`` inside ``model``, for suggestions."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return []
-        f = next((f for n, f in current.model_fields.items() if (f.alias or n) == part), None)
-        if f is None:
-            return []
-        current = _model_of(f.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return [f.alias or n for n, f in current.model_fields.items()]
-    return []
-
-
-def _model_of(annotation: Any) -> Any:
-    from typing import get_args
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 
 
 # ------------------------------------------------------------------ loading
@@ -413,11 +355,14 @@ def _validate_document(doc: _Document, problems: list[SpecProblem]) -> BaseModel
     kind = doc.data.get("kind")
     model = KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
+        refused = numaflow.refused_kind(kind) if isinstance(kind, str) else None
         if kind is None:
             msg = f"'kind' is missing: expected one of {', '.join(KINDS)}"
+        elif refused:
+            msg = f"{refused} (isbflow reads {' and '.join(KINDS)})"
         else:
-            msg = f"unknown kind {_shown(kind)}: expected one of {', '.join(KINDS)}"
-            hint = _suggest(kind, list(KINDS))
+            msg = f"unknown kind {shown(kind)}: expected one of {', '.join(KINDS)}"
+            hint = suggest(kind, list(KINDS))
             if hint:
                 msg += f" (did you mean {hint!r}?)"
         problems.append(doc.problem(("kind",), msg))
@@ -427,6 +372,6 @@ def _validate_document(doc: _Document, problems: list[SpecProblem]) -> BaseModel
         return model.model_validate(doc.data, by_alias=True, by_name=False)
     except ValidationError as e:
         for err in e.errors():
-            loc, msg = _describe(err, model)
+            loc, msg = describe(err, model)
             problems.append(doc.problem(loc, msg))
         return None

@@ -1,4 +1,6 @@
-"""Typed models of the two spec kinds: ``InterStepBufferService`` and ``Pipeline``.
+"""Typed models of the ``Pipeline`` kind (the ``InterStepBufferService`` kind is in
+:mod:`isbflow.spec.isbsvc`, the shared value types in :mod:`isbflow.spec.fields`; both
+are re-exported here so ``from isbflow.spec.models import X`` finds every spec type).
 
 The spec is validated once, at the edge (:mod:`isbflow.spec.load`); the rest of
 isbflow sees only these objects, never raw dicts. Field names follow Numaflow
@@ -7,7 +9,11 @@ where the concept is the same (``interStepBufferServiceName``, ``bufferConfig``,
 
 Durations are Go-style strings (``72h``, ``30s``, ``1m30s``) or numbers of
 seconds; sizes are integers of bytes or strings with a unit (``64MiB``, ``1GB``).
-Both are normalised here: durations to float seconds, sizes to int bytes.
+Both are normalised: durations to float seconds, sizes to int bytes.
+
+Numaflow's dialect (:mod:`isbflow.spec.numaflow`): ``bufferUsageLimit`` is a
+percentage as in Numaflow, and Numaflow fields isbflow has no use for are refused
+with what it does instead.
 """
 
 from __future__ import annotations
@@ -17,216 +23,48 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     StrictInt,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
 from isbflow.spec import graph
 from isbflow.spec.expectations import catalog_problems
-from isbflow.spec.names import NAME_PATTERN, VERTEX_ROLES
-from isbflow.spec.times import check_time_expression, parse_duration
-
-# Every pattern here ends in ``\Z``: ``$`` also matches before a final newline.
-_NAME_RE = re.compile(NAME_PATTERN)
-#: partitions of one vertex: each is a stream (and a Spark read task); more is a typo, not a design
-MAX_PARTITIONS = 64
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
-    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
-}
-
-
-def parse_size(value: Any) -> int:
-    """``"64MiB"`` -> 67108864; ``-1`` means unlimited where the field allows it."""
-    if isinstance(value, bool):
-        raise ValueError("must be a size in bytes such as 1048576 or '1MiB'")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int):
-        if value < -1:
-            raise ValueError(f"must be a size >= 0 (or -1 for unlimited), got {value!r}")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
-        if value.strip() == "-1":
-            return -1
-    raise ValueError(f"must be a size in bytes such as 1048576 or '1MiB', got {value!r}")
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration)]
-Size = Annotated[int, BeforeValidator(parse_size)]
-
-
-class _Model(BaseModel):
-    """Strict-ish base: unknown fields are errors; values are checked, not coerced wildly."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
-
-
-def check_name(value: str) -> str:
-    if not _NAME_RE.match(value):
-        raise ValueError(
-            f"{value!r} is not a valid name: use lowercase letters, digits and '-', "
-            "start and end with a letter or digit, at most 48 characters"
-        )
-    return value
-
-
-Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v)]
-
-
-def check_path(value: str) -> str:
-    """A sink table or landing folder: relative ones live under the data dir, so no ``..``
-    segment may leave it; no leading ``-`` (never read as an option) and no control characters."""
-    if not value.strip():
-        raise ValueError("must not be empty")
-    if value.startswith("-"):
-        raise ValueError(f"{value!r} must not start with '-'")
-    if any(not c.isprintable() for c in value):
-        raise ValueError(f"{value!r} holds control characters")
-    if ".." in re.split(r"[/\\]", value):
-        raise ValueError(f"{value!r} must not contain '..' (relative paths stay under the data dir)")
-    return value
-
-
-def _is_absolute(path: str) -> bool:
-    return path.startswith(("/", "\\")) or bool(re.match(r"^[A-Za-z]:", path)) or "://" in path
-
-
-SafePath = Annotated[str, BeforeValidator(lambda v: check_path(v) if isinstance(v, str) else v)]
-
-
-def _one_of_message(what: str, allowed: tuple[str, ...], found: list[str]) -> str:
-    need = f"{what} needs exactly one of: {', '.join(allowed)}"
-    if not found:
-        return f"{need} (found none)"
-    return f"{need} (found {' and '.join(repr(f) for f in found)})"
-
+from isbflow.spec.fields import (  # noqa: F401 - re-exported
+    MAX_PARTITIONS,
+    NAME_RE,
+    Duration,
+    Metadata,
+    Name,
+    SafePath,
+    Size,
+    SpecModel,
+    check_name,
+    check_path,
+    is_absolute,
+    one_of_message,
+    parse_size,
+)
+from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
+    AuthConfig,
+    BufferConfig,
+    InterStepBufferService,
+    InterStepBufferServiceSpec,
+    JetStreamService,
+    JetStreamSettings,
+    Retention,
+    Storage,
+    StreamConfig,
+    TLSConfig,
+)
+from isbflow.spec.names import VERTEX_ROLES
+from isbflow.spec.times import check_time_expression, parse_duration  # noqa: F401 - re-exported
 
 SOURCE_KINDS = ("jetstream", "files")
-
-
-class Metadata(_Model):
-    name: Name
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- ISB service
-
-
-class Retention(StrEnum):
-    LIMITS = "Limits"
-    INTEREST = "Interest"
-    WORK_QUEUE = "WorkQueue"
-
-
-class Storage(StrEnum):
-    FILE = "file"
-    MEMORY = "memory"
-
-
-class StreamConfig(_Model):
-    """``bufferConfig.stream``: how each edge-partition stream is configured."""
-
-    retention: Retention = Retention.LIMITS
-    maxMsgs: StrictInt = Field(default=-1, ge=-1)
-    maxAge: Duration = 72 * 3600.0
-    maxBytes: Size = -1
-    storage: Storage = Storage.FILE
-    replicas: StrictInt = Field(default=1, ge=1, le=5)
-    duplicates: Duration = 120.0
-
-
-class ConsumerConfig(_Model):
-    """``bufferConfig.consumer``: the durable consumer each reading step uses."""
-
-    ackWait: Duration = 60.0
-    maxAckPending: StrictInt = Field(default=25000, ge=1)
-
-
-class BufferConfig(_Model):
-    stream: StreamConfig = Field(default_factory=StreamConfig)
-    consumer: ConsumerConfig = Field(default_factory=ConsumerConfig)
-
-
-class JetStreamSettings(_Model):
-    """Server settings for the embedded nats-server (ignored for an external URL)."""
-
-    max_payload: Size = Field(default=8 * 1024 * 1024, gt=0)
-    max_memory_store: Size = 1024**3
-    max_file_store: Size = 10 * 1024**3
-
-
-class TLSConfig(_Model):
-    caFile: str | None = None
-    certFile: str | None = None
-    keyFile: str | None = None
-    insecureSkipVerify: bool = False
-
-
-class AuthConfig(_Model):
-    """Credentials by reference only: an Airflow connection id, a creds file, or a
-    file holding ``user:password`` / a token. Secrets never sit in a spec."""
-
-    connectionId: str | None = None
-    credsFile: str | None = None
-    userPasswordFile: str | None = None
-    tokenFile: str | None = None
-
-
-class JetStreamService(_Model):
-    url: str = "embedded"
-    replicas: StrictInt = Field(default=1, ge=1, le=5)
-    persistence: bool = True
-    settings: JetStreamSettings = Field(default_factory=JetStreamSettings)
-    bufferConfig: BufferConfig = Field(default_factory=BufferConfig)
-    tls: TLSConfig | None = None
-    auth: AuthConfig | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if v == "embedded":
-            return v
-        for part in v.split(","):
-            part = part.strip()
-            if not re.match(r"^(nats|tls|ws|wss)://[A-Za-z0-9.\-\[\]:@%_]+\Z", part):
-                raise ValueError(
-                    f"{part!r} is not a NATS URL: use 'embedded' or nats://host:port[,nats://...]"
-                )
-        return v
-
-
-class InterStepBufferServiceSpec(_Model):
-    jetstream: JetStreamService = Field(default_factory=JetStreamService)
-
-
-class InterStepBufferService(_Model):
-    apiVersion: str | None = None
-    kind: Literal["InterStepBufferService"]
-    metadata: Metadata = Field(default_factory=lambda: Metadata(name="default"))
-    spec: InterStepBufferServiceSpec = Field(default_factory=InterStepBufferServiceSpec)
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
-
-
-# ------------------------------------------------------------------- Pipeline
 
 
 class OnFull(StrEnum):
@@ -239,25 +77,41 @@ class OnBufferLoss(StrEnum):
     REPLAY = "replay"
 
 
-class Limits(_Model):
-    """Numaflow's vertex limits. ``bufferUsageLimit`` is a fraction in (0, 1]."""
+def _usage_percent(value: Any) -> Any:
+    """``bufferUsageLimit`` as written (percent, Numaflow's unit) -> the fraction isbflow uses."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = (f" (a fraction? write {round(value * 100)} for {round(value * 100)}%)"
+                if isinstance(value, float) and 0 < value <= 1 else "")
+        raise ValueError(f"must be a whole percentage from 1 to 100 as in Numaflow, e.g. 80 for 80%, "
+                         f"got {value!r}{hint}")
+    if not 1 <= value <= 100:
+        raise ValueError(f"must be a percentage from 1 to 100 as in Numaflow, e.g. 80 for 80%, got {value!r}")
+    return value / 100
+
+
+class Limits(SpecModel):
+    """Numaflow's vertex limits.
+
+    ``bufferUsageLimit`` is written in percent as in Numaflow (1..100, ``85`` means 85%)
+    and held as a fraction (``0.85``): the share of ``bufferMaxLength`` at which writers
+    apply ``onFull``. Dumping the model writes percent again, so a dump validates back.
+    """
 
     readBatchSize: StrictInt | None = Field(default=None, ge=1)
     bufferMaxLength: StrictInt | None = Field(default=None, ge=1)
-    bufferUsageLimit: float | None = None
+    bufferUsageLimit: Annotated[float | None, BeforeValidator(_usage_percent)] = None
 
-    @field_validator("bufferUsageLimit")
-    @classmethod
-    def _usage(cls, v: float | None) -> float | None:
-        if v is not None and not (0 < v <= 1):
-            raise ValueError(f"must be in (0, 1], e.g. 0.8 for 80%, got {v!r}")
-        return v
+    @field_serializer("bufferUsageLimit")
+    def _as_percent(self, v: float | None) -> int | None:
+        return None if v is None else round(v * 100)
 
 
-DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=0.8)
+DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=80)
 
 
-class JetStreamSource(_Model):
+class JetStreamSource(SpecModel):
     """External producers publish one JSON event per message on ``subject``."""
 
     subject: str
@@ -271,14 +125,14 @@ class JetStreamSource(_Model):
         return v
 
 
-class FilesSource(_Model):
+class FilesSource(SpecModel):
     """A landing folder of JSON-lines files."""
 
     path: SafePath
     pattern: str = "*.jsonl"
 
 
-class Source(_Model):
+class Source(SpecModel):
     jetstream: JetStreamSource | None = None
     files: FilesSource | None = None
     schema_: str | None = Field(default=None, alias="schema")
@@ -288,11 +142,11 @@ class Source(_Model):
     def _one_kind(self) -> Source:
         kinds = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
-            raise ValueError(_one_of_message("a source", SOURCE_KINDS, kinds))
+            raise ValueError(one_of_message("a source", SOURCE_KINDS, kinds))
         return self
 
 
-class DeltaSink(_Model):
+class DeltaSink(SpecModel):
     """A Delta table. ``path`` is relative to the data dir; an absolute path (another disk, a
     mount) must be asked for with ``external: true``, so no spec leaves the data dir by accident."""
 
@@ -302,17 +156,17 @@ class DeltaSink(_Model):
 
     @model_validator(mode="after")
     def _inside(self) -> DeltaSink:
-        if _is_absolute(self.path) and not self.external:
+        if is_absolute(self.path) and not self.external:
             raise ValueError(f"path {self.path!r} is outside the data dir: use a relative path, or set "
                              "'external: true' to write there on purpose")
         return self
 
 
-class Sink(_Model):
+class Sink(SpecModel):
     delta: DeltaSink
 
 
-class Reference(_Model):
+class Reference(SpecModel):
     """A reference table (Kafka Streams' GlobalKTable) kept in a KV bucket."""
 
     name: Name
@@ -330,7 +184,7 @@ class OutputMode(StrEnum):
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-class Udf(_Model):
+class Udf(SpecModel):
     """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame).
 
     ``output: update`` (with ``keys``, the columns that identify a result row,
@@ -370,7 +224,7 @@ class Udf(_Model):
         return v
 
 
-class Vertex(_Model):
+class Vertex(SpecModel):
     name: Name
     source: Source | None = None
     udf: Udf | None = None
@@ -382,16 +236,20 @@ class Vertex(_Model):
 
     @field_validator("partitions")
     @classmethod
-    def _partitions(cls, v: int) -> int:
+    def _partitions(cls, v: int, info: ValidationInfo) -> int:
         if v < 1:
             raise ValueError(f"must be >= 1, got {v}")
+        if v != 1 and info.data.get("source") is not None:
+            raise ValueError(f"a source vertex owns no buffer (it reads its own stream), so it has no partitions, "
+                             f"got {v}: partition the buffers it writes by setting partitions on the vertices it "
+                             "feeds (and partitionKey on the edge)")
         return v
 
     @model_validator(mode="after")
     def _one_role(self) -> Vertex:
         roles = [r for r in VERTEX_ROLES if getattr(self, r) is not None]
         if len(roles) != 1:
-            raise ValueError(_one_of_message("a vertex", VERTEX_ROLES, roles))
+            raise ValueError(one_of_message("a vertex", VERTEX_ROLES, roles))
         return self
 
     @property
@@ -406,7 +264,7 @@ class Vertex(_Model):
         return Limits(**merged)
 
 
-class Edge(_Model):
+class Edge(SpecModel):
     # `from` is a Python keyword: the attribute is `from_`, the YAML key `from`.
     from_: str = Field(alias="from")
     to: str
@@ -418,7 +276,7 @@ class QualityGate(StrEnum):
     WARN = "warn"
 
 
-class Expectation(_Model):
+class Expectation(SpecModel):
     """One GX expectation by its name, e.g. ``expect_column_values_to_not_be_null``.
 
     The name must be one of GX's registered expectations and the argument
@@ -450,7 +308,7 @@ class Expectation(_Model):
         return v
 
 
-class QualityRetention(_Model):
+class QualityRetention(SpecModel):
     """How many quality reports a sink keeps: the newest ``runs``, none older than ``maxAge``.
 
     Either bound may be left out (``null``); the older runs are pruned after each
@@ -461,7 +319,7 @@ class QualityRetention(_Model):
     maxAge: Duration | None = None
 
 
-class SinkQuality(_Model):
+class SinkQuality(SpecModel):
     """The quality gate of one sink: its expectations on top of the built-in checks.
 
     ``freshness``: the newest event may be at most this old (built-in check);
@@ -481,7 +339,7 @@ class SinkQuality(_Model):
 SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
 
 
-class Replay(_Model):
+class Replay(SpecModel):
     """A scheduled replay: the Airflow DAG ``replay_<pipeline>_<name>`` runs it on ``schedule``.
 
     ``fromTime``/``toTime`` bound a ``reprocess`` by event time, written as the
@@ -522,7 +380,7 @@ class Replay(_Model):
         return self
 
 
-class PipelineSpec(_Model):
+class PipelineSpec(SpecModel):
     interStepBufferServiceName: Name = "default"
     limits: Limits | None = None
     vertices: list[Vertex]
@@ -541,7 +399,7 @@ class PipelineSpec(_Model):
         return v
 
 
-class Pipeline(_Model):
+class Pipeline(SpecModel):
     apiVersion: str | None = None
     kind: Literal["Pipeline"]
     metadata: Metadata

