@@ -24,6 +24,7 @@ from isbflow.connector.writer import (
     OutputBufferNotFound,
     WriterOptions,
     read_write_stats,
+    read_write_totals,
 )
 from isbflow.isb import dlq, frames, naming
 from isbflow.isb.connect import connect, settings_to_json
@@ -233,6 +234,30 @@ def test_spark_oversized_record_goes_to_dead_letters_while_the_rest_flows(spark,
     stats = read_write_stats(tmp_path / "stats")
     assert sum(s["dead_lettered"] for s in stats) == 1
     assert sum(s["rows"] for s in stats) == n - 1
+
+
+def test_spark_many_batches_keep_running_totals_and_prune_batch_files(spark, nats_server, tmp_path):
+    settings = nats_server.settings
+    provision(settings)
+    n, batch_rows, keep = 6000, 500, 4
+    stats_dir = tmp_path / "stats"
+    spark_write(spark, settings, tmp_path / "ckpt",
+                source={"rows": n, "batchRows": batch_rows, "columns": "id,service,value"},
+                sink={"frameRows": 100, "statsDir": stats_dir, "statsKeep": keep})
+
+    batches = n // batch_rows
+    assert len(list(stats_dir.iterdir())) <= keep + 1
+    assert sorted(p.name for p in stats_dir.glob("batch-*.json")) == sorted(
+        f"batch-{b}.json" for b in range(batches - keep, batches))
+    totals = read_write_totals(stats_dir)
+    stored = [t.num_rows for p in (0, 1) for _, _, t in read_stream(settings, ep(p).stream)]
+    assert totals["rows"] == sum(stored) == n
+    assert totals["frames"] == len(stored)
+    assert (totals["batches"], totals["firstBatchId"], totals["lastBatchId"]) == (batches, 0, batches - 1)
+    assert totals["dead_lettered"] == totals["duplicate_frames"] == totals["failedTasks"] == 0
+    stats = read_write_stats(stats_dir)
+    assert stats[0]["pruned"] and stats[0]["batches"] == batches - keep
+    assert sum(s["rows"] for s in stats) == n and sum(s["frames"] for s in stats) == len(stored)
 
 
 # ----------------------------------------------------------------------------- the writer called directly

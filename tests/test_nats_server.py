@@ -20,7 +20,7 @@ import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
-from isbflow.isb.connect import IsbUnreachable, connect, settings_from_url
+from isbflow.isb.connect import IsbUnreachable, NatsSettings, connect, settings_from_url
 from isbflow.isb.server import HOST, free_port, nats_server_binary, read_state
 from tests.conftest import ROOT
 
@@ -92,8 +92,14 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
     return out
 
 
-async def _publish_and_count(url: str, stream: str, replicas: int = 1) -> int:
-    nc = await connect(settings_from_url(url))
+def _settings(shown: dict) -> NatsSettings:
+    """What a client needs, from the printed state: its URLs (no credentials) and the password's file."""
+    password = Path(shown["password_file"]).read_text().strip()
+    return NatsSettings(servers=tuple(shown["urls"]), user=shown["user"], password=password)
+
+
+async def _publish_and_count(settings: NatsSettings, stream: str, replicas: int = 1) -> int:
+    nc = await connect(settings)
     try:
         # creating an R3 stream waits for its raft group: past the client's default 5 s on a loaded
         # machine (seen in CI); provisioning allows 30 s too (isbflow.isb.provision)
@@ -116,17 +122,24 @@ async def _publish_and_count(url: str, stream: str, replicas: int = 1) -> int:
 
 def test_single_node_lifecycle(data_dir):
     up = _up(data_dir)
-    assert len(up["nodes"]) == 1 and up["urls"][0].startswith("nats://isbflow:")
+    password = (data_dir / "nats" / "password").read_text().strip()
+    assert len(up["nodes"]) == 1 and up["urls"] == [f"nats://{HOST}:{up['nodes'][0]['client_port']}"]
+    assert up["user"] == "isbflow" and up["password_file"] == str((data_dir / "nats" / "password").absolute())
 
     r = nats_cli("status", "--json", data_dir=data_dir)
     status = json.loads(r.stdout)
     assert status["running"] is True and status["alive"] == [True]
-    url = status["urls"][0]
-    password = (data_dir / "nats" / "password").read_text().strip()
-    assert url == f"nats://isbflow:{password}@{HOST}:{status['nodes'][0]['client_port']}"
+    assert status["urls"] == up["urls"] and password not in r.stdout
 
-    # the printed URL works with any client, credentials included
-    assert asyncio.run(_publish_and_count(url, "lifecycle")) == 3
+    # no command prints the password: the text output names the file instead
+    for cmd in ("status", "up"):
+        out = nats_cli(cmd, data_dir=data_dir)
+        assert password not in out.stdout + out.stderr
+        assert f"NATS_URL=nats://{HOST}:{up['nodes'][0]['client_port']}" in out.stdout
+        assert f"password in {up['password_file']}" in out.stdout
+
+    # the printed URL and the password file work with any client
+    assert asyncio.run(_publish_and_count(_settings(status), "lifecycle")) == 3
 
     # anonymous clients are refused, with a message that says why
     anonymous = f"nats://{HOST}:{status['nodes'][0]['client_port']}"
@@ -154,11 +167,11 @@ def test_single_node_lifecycle(data_dir):
     # a restart keeps the data and the URLs (same ports when free, same password)
     up2 = _up(data_dir)
     assert up2["urls"] == up["urls"]
-    assert asyncio.run(_stream_messages(up2["urls"][0], "lifecycle")) == 3
+    assert asyncio.run(_stream_messages(_settings(up2), "lifecycle")) == 3
 
 
-async def _stream_messages(url: str, stream: str) -> int:
-    nc = await connect(settings_from_url(url))
+async def _stream_messages(settings: NatsSettings, stream: str) -> int:
+    nc = await connect(settings)
     try:
         return (await nc.jetstream().stream_info(stream)).state.messages
     finally:
@@ -168,11 +181,11 @@ async def _stream_messages(url: str, stream: str) -> int:
 def test_cluster_of_three(data_dir, tmp_path):
     up = _up(data_dir, "--cluster", "3")
     assert len(up["nodes"]) == 3 and len(up["urls"]) == 3
-    url = ",".join(up["urls"])
+    settings = _settings(up)
 
     async def r3() -> tuple[int, list]:
-        count = await _publish_and_count(url, "r3", replicas=3)
-        nc = await connect(settings_from_url(url))
+        count = await _publish_and_count(settings, "r3", replicas=3)
+        nc = await connect(settings)
         try:
             js = nc.jetstream(timeout=30.0)
             deadline = time.monotonic() + 30

@@ -503,7 +503,9 @@ def test_quality_page_lists_runs_per_sink_and_serves_reports(ui, site):
     docs = ui.get(href)
     assert docs.status == 200 and docs.headers["content-type"].startswith("text/html")
     assert f"Data Docs {ids['fail']}" in docs.text
-    assert "script-src 'none'" in docs.headers["content-security-policy"]
+    csp = docs.headers["content-security-policy"]
+    assert "script-src 'none'" in csp
+    assert all(d in csp for d in ("sandbox", "form-action 'none'", "base-uri 'none'")), csp
     # the page's relative stylesheet resolves to the served static folder
     css_href = one(docs.text, "rel", "stylesheet", tag="link")[1]["href"]
     css = ui.get(urlsplit(urljoin(f"http://testserver{href}", css_href)).path)

@@ -3,6 +3,11 @@
 ``up`` starts it (or reuses a live one), ``status`` shows it (exit 1 when none
 runs or a node is down), ``down`` stops it by PID. Everything is found through
 ``DATA_DIR/nats/state.json`` (:mod:`isbflow.isb.server`).
+
+No command prints the password: URLs are shown without credentials, with the
+user and the file that holds the password (``DATA_DIR/nats/password``, owner
+only); isbflow commands read it through ``--data-dir``, other clients take it
+from the file (e.g. ``NATS_USER=isbflow NATS_PASSWORD="$(cat DATA_DIR/nats/password)"``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ app = typer.Typer(help="Run the embedded ISB service: nats-server from the nats-
                   no_args_is_help=True)
 
 TlsFile = Annotated[Path | None, typer.Option(exists=True, dir_okay=False, readable=True)]
+
+
+def _public_json(state: ServerState) -> dict:
+    """The state as --json shows it: URLs without credentials, the password's file, never the password."""
+    return state.to_json(with_secrets=False)
+
+
+def _print_connection(state: ServerState) -> None:
+    """The URL to connect to and where its credentials are (never the password itself)."""
+    console.print(f"NATS_URL={','.join(state.to_json(with_secrets=False)['urls'])}", markup=False, highlight=False)
+    if state.user:
+        console.print(f"user {state.user}, password in {state.password_file} (not printed; isbflow commands "
+                      "read it through --data-dir)", markup=False, highlight=False)
 
 
 def _state_or_exit(data_dir: Path) -> ServerState | None:
@@ -69,16 +87,16 @@ def up(
     except EmbeddedNatsError as e:
         fail(str(e))
     if json_out:
-        print_json(state.to_json())
+        print_json(_public_json(state))
     else:
         console.print(f"nats-server up: {len(state.nodes)} node(s) under {dd}/nats", markup=False,
                       highlight=False)
-        console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
+        _print_connection(state)
 
 
 @app.command()
 def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
-    """Show the embedded server: nodes, PIDs, ports, URLs (credentials included), liveness.
+    """Show the embedded server: nodes, PIDs, ports, URLs, the password's file (never the password), liveness.
 
     Exit 1 when none is recorded or a node is down.
     """
@@ -90,7 +108,7 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
         fail(f"no embedded nats-server under {dd}/: start one with 'isbflow nats up --data-dir {dd}'")
     alive = state.alive()
     if json_out:
-        d = state.to_json()
+        d = _public_json(state)
         d["running"] = all(alive)
         print_json(d)
     else:
@@ -99,7 +117,7 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
             t.add_row(n.name, str(n.pid), f"127.0.0.1:{n.client_port}", str(n.http_port),
                       str(n.cluster_port or "-"), "yes" if a else "NO")
         console.print(t)
-        console.print(f"NATS_URL={state.url}", markup=False, highlight=False)
+        _print_connection(state)
     if not all(alive):
         down_nodes = ", ".join(n.name for n, a in zip(state.nodes, alive, strict=True) if not a)
         fail(f"node(s) down: {down_nodes} (logs under {dd}/nats): restart with "

@@ -35,6 +35,20 @@ so reading a range twice gives the same rows; this is what makes Spark's
 checkpoint exactly-once. Nothing here acknowledges or deletes: space is released
 by :func:`isbflow.isb.release.release` after the *downstream* commit.
 
+Bad frames (frames mode): a message that is not a readable frame (not an Arrow
+IPC stream, an ``Isb-Rows`` header that is not its row count, or one that would
+decode past the cap of :func:`isbflow.isb.frames.read_frame`) does not stop the
+step. With the ``pipeline`` and ``vertex`` options set (the runner sets them),
+the task sends it to the dead-letter buffer (:mod:`isbflow.isb.dlq`) on
+``dlq_subject(pipeline, vertex)`` with the reason, the stream, the sequence and
+the payload's first KiB (``Nats-Msg-Id`` ``<vertex>:frame:<stream>:<inc>:<seq>``, so a
+retried task adds no second letter), counts it in the status KV key
+``deadframes.<vertex>`` (:func:`dead_frames`; the runner adds it to the step's
+``dlq_total``) and reads on. Without those options it fails the task with
+:class:`~isbflow.isb.errors.BufferReadError` (nowhere to put it). A readable
+frame of another schema still fails the step: that is a deployment mismatch,
+and dead-lettering every frame would drop the data.
+
 Buffer loss (a stream missing, recreated, or whose first sequence moved past an
 offset not yet read) raises :class:`~isbflow.isb.errors.BufferLost`
 naming the stream and range with ``onBufferLoss=fail``; with ``replay`` the
@@ -68,8 +82,8 @@ from isbflow.connector import offsets as off
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
 from isbflow.connector.writer import stream_writer
-from isbflow.isb import frames
-from isbflow.isb.connect import NatsSettings, SyncSession
+from isbflow.isb import dlq, frames, naming
+from isbflow.isb.connect import NatsSettings, SyncSession, run_with
 from isbflow.isb.errors import (
     BufferLost,
     BufferNotFound,
@@ -96,6 +110,51 @@ EVENTS_SCHEMA = StructType([
 ])
 #: Events per Arrow batch handed to Spark.
 EVENTS_BATCH_ROWS = 10_000
+#: Bytes of a bad frame's payload kept in its dead letter (enough to see what it was).
+BAD_FRAME_PREFIX = 1024
+
+
+def dead_frames_key(vertex: str) -> str:
+    """The status KV key counting the frames ``vertex`` dead-lettered on read."""
+    return f"deadframes.{vertex}"
+
+
+async def dead_frames(nc, pipeline: str, vertex: str) -> int:
+    """How many frames ``vertex`` dead-lettered on read so far (0 when none, or no status bucket)."""
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    try:
+        kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
+        entry = await kv.get(dead_frames_key(vertex))
+    except (BucketNotFoundError, NotFoundError):
+        return 0
+    try:
+        return int(entry.value or 0)
+    except ValueError:
+        return 0
+
+
+async def add_dead_frames(nc, pipeline: str, vertex: str, n: int) -> None:
+    """Add ``n`` to :func:`dead_frames` (compare-and-set: tasks of one step may add at once)."""
+    from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+
+    kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
+    key = dead_frames_key(vertex)
+    for _ in range(100):
+        try:
+            entry = await kv.get(key)
+        except NotFoundError:  # missing or deleted
+            entry = None
+        try:
+            if entry is None:
+                await kv.create(key, str(n).encode())
+            else:
+                await kv.update(key, str(int(entry.value or 0) + n).encode(), last=entry.revision)
+            return
+        except KeyWrongLastSequenceError:
+            await asyncio.sleep(0.01)
+    raise BufferReadError(f"could not count {n} dead-lettered frame(s) of step {vertex}: the status key "
+                          f"{key} kept changing")
 
 
 class JetStreamPartition(InputPartition):
@@ -233,14 +292,52 @@ class _RangeReader:
                                 prefer_consumer=self.opts.mode == "events")
         target = _arrow_schema(self.schema)
         if self.opts.mode == "frames":
+            bad: list[dlq.DeadLetter] = []
             for msgs in chunks:
                 for seq, data, headers, _ in msgs:
-                    yield from _frame_batches(p.stream, seq, data, headers, target)
+                    try:
+                        batches = frames.read_frame(data, headers.get(frames.HDR_ROWS))
+                    except frames.BadFrame as e:
+                        bad.append(self._bad_frame(p, seq, data, headers, str(e)))
+                        continue
+                    yield from _conform(p.stream, seq, batches, target)
+            if bad:
+                self._dead_letter(bad)
         else:
             prefix = f"{self.opts.source_name}/{p.index}/"
             for msgs in chunks:
                 for i in range(0, len(msgs), EVENTS_BATCH_ROWS):
                     yield _events_batch(msgs[i:i + EVENTS_BATCH_ROWS], p.stream, prefix, target)
+
+
+    def _bad_frame(self, p: JetStreamPartition, seq: int, data: bytes, headers: dict, why: str) -> dlq.DeadLetter:
+        """Executor: the dead letter of an unreadable frame, or BufferReadError with nowhere to put it."""
+        pipeline, vertex = self.opts.drain_pipeline, self.opts.drain_vertex
+        if not (pipeline and vertex):
+            raise BufferReadError(f"buffer {p.stream}: message {seq} is not a readable frame: {why}; is this an "
+                                  "events stream (mode=events)? (with the options 'pipeline' and 'vertex' it "
+                                  "would go to the dead-letter buffer)")
+        reason = f"frame {seq} of buffer {p.stream} cannot be read at step {vertex}: {why}"
+        log.warning("%s; dead-lettered, the step reads on", reason)
+        keep = ("Nats-Msg-Id", frames.HDR_FRAME, frames.HDR_ROWS)
+        record = {"stream": p.stream, "seq": seq, "incarnation": p.inc, "bytes": len(data),
+                  "headers": {k: str(headers[k])[:256] for k in keep if k in headers},
+                  "payloadPrefix": bytes(data[:BAD_FRAME_PREFIX])}
+        return dlq.DeadLetter(record=record, reason=reason, size=len(data),
+                              msg_id=f"{vertex}:frame:{p.stream}:{p.inc}:{seq}")
+
+    def _dead_letter(self, letters: list[dlq.DeadLetter]) -> None:
+        """Executor: publish the task's bad frames (acked; a missing dead-letter buffer fails the
+        task, a frame never vanishes silently) and count those stored anew."""
+        pipeline, vertex = self.opts.drain_pipeline, self.opts.drain_vertex
+        assert pipeline and vertex
+
+        async def go(nc) -> None:
+            stored = await dlq.publish_dead_letters(nc.jetstream(), pipeline, vertex, letters)
+            if stored:
+                await add_dead_frames(nc, pipeline, vertex, stored)
+
+        run_with(self.opts.settings, go, name=f"isbflow-dlq-{pipeline}-{vertex}")
 
 
 class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -415,18 +512,10 @@ def _arrow_schema(schema: StructType) -> pa.Schema:
     return to_arrow_schema(schema, timezone="UTC")
 
 
-def _frame_batches(stream: str, seq: int, data: bytes, headers: dict,
-                   target: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The record batches of one frame, conformed to ``target`` (column order, types)."""
-    try:
-        batches = frames.decode_batches(data)
-    except pa.ArrowInvalid as e:
-        raise BufferReadError(f"buffer {stream}: message {seq} is not an Arrow frame ({e}); is this "
-                              "an events stream (mode=events)?") from None
-    rows = headers.get(frames.HDR_ROWS)
-    if rows is not None and int(rows) != sum(b.num_rows for b in batches):
-        raise BufferReadError(f"buffer {stream}: frame {seq} holds "
-                              f"{sum(b.num_rows for b in batches)} rows, its header says {rows}")
+def _conform(stream: str, seq: int, batches: list[pa.RecordBatch],
+             target: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The record batches of one frame, conformed to ``target`` (column order, types); a frame of
+    another schema is a deployment mismatch and fails (module doc, *Bad frames*)."""
     for b in batches:
         if not b.schema.equals(target):
             missing = [n for n in target.names if n not in b.schema.names]

@@ -12,6 +12,11 @@ changed in the source between batches showed up in the next batch). So the
 table is loaded once per micro-batch, broadcast, and picks up changes with
 no per-record call to anything. The schema is taken from the table when the
 query is planned; a column added later needs a restart of the step.
+
+A load that does not finish within the ``timeout`` option (seconds, default
+:data:`isbflow.isb.reference.LOAD_TIMEOUT`) fails the planning or the batch with
+an error naming the KV bucket, and a row that is not an object of scalar columns
+fails with an error naming its key (:func:`isbflow.isb.reference.load`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,25 @@ from pyspark.sql.types import StructType
 
 from isbflow.isb import reference
 from isbflow.isb.connect import settings_from_json
+from isbflow.isb.errors import ConnectorOptionError
+
+
+def _timeout(options: dict[str, str]) -> float:
+    raw = str(options.get("timeout") or "").strip()
+    if not raw:
+        return reference.LOAD_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConnectorOptionError(f"option 'timeout': expected seconds > 0, got {raw!r}")
+    return value
 
 
 class ReferenceDataSource(DataSource):
-    """Options: ``pipeline``, ``name`` (the reference), ``key`` (key column), ``settings``."""
+    """Options: ``pipeline``, ``name`` (the reference), ``key`` (key column), ``settings``,
+    ``timeout`` (seconds a load may take)."""
 
     @classmethod
     def name(cls) -> str:
@@ -38,7 +58,8 @@ class ReferenceDataSource(DataSource):
     def _load(self) -> pa.Table:
         settings = settings_from_json(self.options["settings"])
         _, table = asyncio.run(reference.load(settings, self.options["pipeline"], self.options["name"],
-                                              key=self.options.get("key", "key")))
+                                              key=self.options.get("key", "key"),
+                                              timeout=_timeout(self.options)))
         return table
 
     def schema(self) -> StructType:

@@ -1,4 +1,4 @@
-"""The writer's options, frame ids and per-batch report: what the driver and the executor tasks share.
+"""The writer's options, frame ids, per-batch report and stats files: what the driver and the executor tasks share.
 
 See :mod:`isbflow.connector.writer` for the writer's contract and the option names.
 """
@@ -20,6 +20,7 @@ from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
 from isbflow.spec.models import DEFAULT_LIMITS, OnFull
+from isbflow.spec.paths import private_dir
 
 PARTITION_COLUMN = "_isb_partition"
 #: A row with this column set is not published: it goes to the dead-letter buffer with
@@ -30,6 +31,8 @@ RAW_COLUMN = "_isb_raw"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 DEFAULT_COMMITTED_KEY = "committed.{to}.{stream}"
 DEFAULT_WINDOW = 32
+#: per-batch stats files a stats dir keeps (the newest); older ones are summed into the totals' ``pruned``
+DEFAULT_STATS_KEEP = 100
 #: seconds a frame answered 'no stream' (503) is sent again before the buffer counts as missing
 #: (a cluster stream electing a new leader answers 503 for a few seconds)
 UNAVAILABLE_FOR = 5.0
@@ -89,6 +92,7 @@ class WriterOptions:
     committed_key: str = DEFAULT_COMMITTED_KEY
     dlq_subject: str | None = None
     stats_dir: str | None = None
+    stats_keep: int = DEFAULT_STATS_KEEP
     window: int = DEFAULT_WINDOW
 
     @classmethod
@@ -133,6 +137,7 @@ class WriterOptions:
             committed_key=committed_key,
             dlq_subject=str(options.get("dlqSubject") or "").strip() or None,
             stats_dir=str(options.get("statsDir") or "").strip() or None,
+            stats_keep=int_option(options, "statsKeep", DEFAULT_STATS_KEEP),
             window=int_option(options, "publishWindow", DEFAULT_WINDOW),
         )
 
@@ -217,9 +222,132 @@ def aggregate_reports(messages: Iterable[JetStreamWriteReport | None], batch_id:
     return out
 
 
+TOTALS_FILE = "totals.json"
+_SUMMED = ("tasks", "failedTasks", *_COUNTS)
+
+
+def _batch_file(stats_dir: Path, batch_id: int) -> Path:
+    return stats_dir / f"batch-{batch_id}.json"
+
+
+def _batch_files(stats_dir: Path) -> dict[int, Path]:
+    out = {}
+    for p in stats_dir.glob("batch-*.json"):
+        try:
+            out[int(p.stem.removeprefix("batch-"))] = p
+        except ValueError:
+            continue
+    return out
+
+
+def _empty_sum() -> dict[str, Any]:
+    return {"batches": 0, "firstBatchId": None, "lastBatchId": None, "blockedSeconds": 0.0,
+            **dict.fromkeys(_SUMMED, 0), "partitions": {}}
+
+
+def _add(total: dict[str, Any], stats: Mapping[str, Any]) -> None:
+    """Add one batch's stats (or a sum of batches) to ``total``, in place."""
+    total["batches"] += int(stats.get("batches", 1))
+    first = stats.get("firstBatchId", stats.get("batchId"))
+    last = stats.get("lastBatchId", stats.get("batchId"))
+    if first is not None:
+        total["firstBatchId"] = first if total["firstBatchId"] is None else min(total["firstBatchId"], first)
+    if last is not None:
+        total["lastBatchId"] = last if total["lastBatchId"] is None else max(total["lastBatchId"], last)
+    total["blockedSeconds"] = round(total["blockedSeconds"] + float(stats.get("blockedSeconds") or 0.0), 3)
+    for name in _SUMMED:
+        total[name] += int(stats.get(name) or 0)
+    for key, counts in (stats.get("partitions") or {}).items():
+        agg = total["partitions"].setdefault(key, dict.fromkeys(_COUNTS, 0))
+        for name, n in counts.items():
+            agg[name] = agg.get(name, 0) + int(n or 0)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def _read_json(path: Path) -> Any:
+    """A stats file's content; None when it is gone (pruned, or its dir moved aside, meanwhile)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _load_totals(stats_dir: Path) -> dict[str, Any] | None:
+    return _read_json(stats_dir / TOTALS_FILE)
+
+
+def _sum_files(stats_dir: Path) -> dict[str, Any]:
+    """Totals summed from the per-batch files: a dir written before ``totals.json`` existed."""
+    totals = {**_empty_sum(), "pruned": _empty_sum()}
+    for _, p in sorted(_batch_files(stats_dir).items()):
+        stats = _read_json(p)
+        if stats is not None:
+            _add(totals, stats)
+    return totals
+
+
+def record_write_stats(stats_dir: str | os.PathLike, stats: Mapping[str, Any],
+                       keep: int = DEFAULT_STATS_KEEP) -> bool:
+    """Driver, once per committed micro-batch: keep ``stats`` (an :func:`aggregate_reports` result).
+
+    Writes ``batch-<batchId>.json``, adds the batch to the running ``totals.json`` and prunes the
+    per-batch files but the newest ``keep`` (their counts move into the totals' ``pruned`` sum), so
+    a stats dir holds at most ``keep + 1`` files however long the query runs. Every file is
+    replaced atomically (write, then rename). A batch id the totals already include (Spark commits
+    the last batch again after a restart) is not counted twice: its stats are logged by the
+    caller, the files stay as they are, and False is returned. Batch ids of one stats dir only
+    grow: a recovery moves the dir aside together with the query's checkpoint.
+    """
+    d = private_dir(stats_dir)
+    batch_id = int(stats["batchId"])
+    totals = _load_totals(d)
+    if totals is None:  # a new dir, or one written before totals existed: sum what it holds, once
+        totals = _sum_files(d)
+    elif totals["lastBatchId"] is not None and batch_id <= totals["lastBatchId"]:
+        return False
+    _write_json(_batch_file(d, batch_id), dict(stats))
+    _add(totals, stats)
+    files = _batch_files(d)
+    old = sorted(files)[:-keep] if keep > 0 else sorted(files)
+    pruned_last = totals["pruned"]["lastBatchId"]
+    for b in old:
+        if pruned_last is None or b > pruned_last:  # not yet in the pruned sum (a crash may leave one)
+            _add(totals["pruned"], _read_json(files[b]) or {"batchId": b, "batches": 0})
+    _write_json(d / TOTALS_FILE, totals)
+    for b in old:
+        files[b].unlink(missing_ok=True)
+    return True
+
+
+def read_write_totals(stats_dir: str | os.PathLike) -> dict[str, Any]:
+    """The running totals of a stats dir (:func:`record_write_stats`): every count summed over
+    every batch committed so far, with ``batches``, ``firstBatchId`` and ``lastBatchId``.
+    Reads one small file however many batches ran; zeros for a dir with no commit yet."""
+    d = Path(stats_dir)
+    totals = _load_totals(d)
+    return totals if totals is not None else _sum_files(d)
+
+
 def read_write_stats(stats_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The per-batch stats files written by :meth:`JetStreamStreamWriter.commit`, by batch id."""
-    out = [json.loads(p.read_text()) for p in Path(stats_dir).glob("batch-*.json")]
-    return sorted(out, key=lambda s: s["batchId"])
+    """The per-batch stats written by :meth:`JetStreamStreamWriter.commit`, by batch id.
 
-
+    Only the newest batches keep a file (:func:`record_write_stats`); when older ones were
+    pruned, the list starts with one entry summing them (``"pruned": True``, ``batchId`` = the
+    last pruned batch, ``firstBatchId``, ``batches``), so sums over the list are sums over every
+    batch. For totals alone, :func:`read_write_totals` reads one file.
+    """
+    d = Path(stats_dir)
+    files = {b: s for b, p in sorted(_batch_files(d).items()) if (s := _read_json(p)) is not None}
+    # the totals after the files: a file pruned meanwhile is in their pruned sum (and skipped below)
+    pruned = (_load_totals(d) or {}).get("pruned") or {}
+    last = pruned.get("lastBatchId")
+    out = [s for b, s in files.items() if last is None or b > last]
+    if pruned.get("batches"):
+        out.insert(0, {**pruned, "batchId": last, "pruned": True})
+    return out

@@ -45,9 +45,13 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
 
 :meth:`JetStreamStreamWriter.commit` (driver, once per micro-batch, batch 0
 too) sums the task reports (:func:`aggregate_reports`), logs them and, with
-the ``statsDir`` option, writes them to ``<statsDir>/batch-<batchId>.json``
-(:func:`read_write_stats` reads them back). Publishing is already durable
-when the tasks end: ``commit`` commits nothing to JetStream.
+the ``statsDir`` option, keeps them (:func:`record_write_stats`): the batch's
+``<statsDir>/batch-<batchId>.json`` and the running ``<statsDir>/totals.json``
+(read by :func:`read_write_totals`), each replaced atomically; a batch id
+already counted (a re-committed batch) is not counted twice, and only the
+newest ``statsKeep`` per-batch files are kept (:func:`read_write_stats` sums
+the pruned ones into one entry). Publishing is already durable when the tasks
+end: ``commit`` commits nothing to JetStream.
 
 Options (strings): ``settings`` (JSON of NatsSettings, see
 :func:`isbflow.connector.options.settings_to_json`; resolved from the
@@ -57,7 +61,7 @@ environment when absent), ``pipeline``, ``step``, ``to`` (required),
 ``bufferUsageLimit`` (0.8), ``onFull`` (retryUntilSuccess|discardLatest),
 ``committedKey`` (template, default ``committed.{to}.{stream}``),
 ``dlqSubject`` (default ``naming.dlq_subject(pipeline, step)``),
-``statsDir``, ``publishWindow`` (32).
+``statsDir``, ``statsKeep`` (100), ``publishWindow`` (32).
 """
 from __future__ import annotations
 
@@ -65,7 +69,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter
@@ -75,10 +78,12 @@ from isbflow.connector.task_publisher import TaskPublisher
 from isbflow.connector.write_options import (  # noqa: F401 - the writer's public names, re-exported
     BATCH_ID_PROPERTY,
     DEFAULT_COMMITTED_KEY,
+    DEFAULT_STATS_KEEP,
     DEFAULT_WINDOW,
     ERROR_COLUMN,
     PARTITION_COLUMN,
     RAW_COLUMN,
+    TOTALS_FILE,
     BufferWriteError,
     InvalidPartitionColumn,
     JetStreamWriteReport,
@@ -87,6 +92,8 @@ from isbflow.connector.write_options import (  # noqa: F401 - the writer's publi
     aggregate_reports,
     frame_id,
     read_write_stats,
+    read_write_totals,
+    record_write_stats,
     spark_task_identity,
 )
 from isbflow.isb.errors import ConnectorOptionError
@@ -114,17 +121,15 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
         return asyncio.run(TaskPublisher(self.options, batch_id, task).run(iterator))
 
     def commit(self, messages: list[JetStreamWriteReport | None], batchId: int) -> None:  # noqa: N803
-        """Driver: sum the tasks' counts, log them, write them to ``statsDir`` if set."""
+        """Driver: sum the tasks' counts, log them, add them to ``statsDir``'s totals if set."""
         stats = aggregate_reports(messages, batchId, self.options)
         stats.update(pipeline=self.options.pipeline, step=self.options.step, to=self.options.to)
         log.info("jetstream writer %s -> %s batch %s: %s", self.options.step, self.options.to, batchId,
                  json.dumps(stats))
-        if self.options.stats_dir:
-            d = Path(self.options.stats_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f".batch-{batchId}.json.tmp"
-            tmp.write_text(json.dumps(stats, indent=1))
-            tmp.replace(d / f"batch-{batchId}.json")
+        if self.options.stats_dir and not record_write_stats(self.options.stats_dir, stats,
+                                                             self.options.stats_keep):
+            log.info("jetstream writer %s -> %s batch %s committed again: already in the totals, not counted "
+                     "twice", self.options.step, self.options.to, batchId)
 
     def abort(self, messages: list[JetStreamWriteReport | None], batchId: int) -> None:  # noqa: N803
         """Driver: a task failed. Frames already published stay; the retried batch republishes

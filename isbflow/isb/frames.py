@@ -11,10 +11,22 @@ or, when that row alone exceeds ``max_bytes``, in ``oversized`` (to be sent to
 the dead-letter buffer with its size); order within the input is kept.
 The split is deterministic: the same batch gives the same frames, which is what
 makes frame ids (``Nats-Msg-Id``) stable across a re-executed Spark batch.
+
+Contract of :func:`read_frame` (the reading side, which trusts no frame): the
+records of one frame, or :class:`BadFrame` saying why there are none: the bytes
+are not an Arrow IPC stream, the ``Isb-Rows`` header is not the frame's row
+count, or the frame would decode to more than ``MAX_DECODE_RATIO`` (64) times
+its own size (at least ``MIN_DECODE_CAP``, 1 MiB). The decoded size is what the
+IPC metadata and the compressed buffers' length prefixes declare, checked
+*before* anything is decompressed, so a small compressed frame cannot make a
+reader allocate gigabytes. Frames the writer makes are never compressed
+(decoded size = payload size), so the cap only ever refuses foreign frames;
+with ``max_payload`` at most 8 MiB no accepted frame decodes past 512 MiB.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -26,6 +38,14 @@ HDR_ROWS = "Isb-Rows"  # records in the frame
 FRAME_FORMAT = "arrow-ipc-stream/1"
 #: Room kept below max_payload for NATS headers (msg id, frame headers).
 HEADER_ROOM = 1024
+#: A frame may decode to at most this many times its payload's size ...
+MAX_DECODE_RATIO = 64
+#: ... or this many bytes, whichever is larger (tiny compressed frames).
+MIN_DECODE_CAP = 1 << 20
+
+
+class BadFrame(ValueError):
+    """A frame that cannot be read (:func:`read_frame`); the message says why."""
 
 
 @dataclass
@@ -59,6 +79,125 @@ def decode(payload: bytes | memoryview) -> pa.Table:
 
 def decode_batches(payload: bytes | memoryview) -> list[pa.RecordBatch]:
     return list(pa.ipc.open_stream(pa.py_buffer(payload)))
+
+
+# Arrow IPC metadata is a flatbuffer (format/Message.fbs); these read only what the size check needs:
+# Message{version, header_type, header, bodyLength}, RecordBatch{length, nodes, buffers, compression},
+# DictionaryBatch{id, data}. Every read is bounds-checked: the bytes may be anything.
+_HEADER_DICTIONARY, _HEADER_RECORD_BATCH = 2, 3
+
+
+class _Fb:
+    """One flatbuffer table at ``pos`` of ``buf``."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+        self.vt = pos - _unpack("<i", buf, pos)
+        self.vt_len = _unpack("<H", buf, self.vt)
+
+    def _field(self, i: int) -> int | None:
+        slot = 4 + 2 * i
+        if slot + 2 > self.vt_len:
+            return None
+        rel = _unpack("<H", self.buf, self.vt + slot)
+        return None if rel == 0 else self.pos + rel
+
+    def scalar(self, i: int, fmt: str, default: int = 0) -> int:
+        at = self._field(i)
+        return default if at is None else _unpack(fmt, self.buf, at)
+
+    def table(self, i: int) -> _Fb | None:
+        at = self._field(i)
+        return None if at is None else _Fb(self.buf, at + _unpack("<I", self.buf, at))
+
+    def structs(self, i: int, size: int) -> list[int]:
+        """Positions of a vector of structs of ``size`` bytes."""
+        at = self._field(i)
+        if at is None:
+            return []
+        start = at + _unpack("<I", self.buf, at)
+        n = _unpack("<I", self.buf, start)
+        if start + 4 + n * size > len(self.buf):
+            raise BadFrame("IPC metadata vector runs past its end")
+        return [start + 4 + k * size for k in range(n)]
+
+
+def _unpack(fmt: str, buf: bytes, at: int) -> int:
+    size = struct.calcsize(fmt)
+    if at < 0 or at + size > len(buf):
+        raise BadFrame("IPC metadata points outside itself")
+    return struct.unpack_from(fmt, buf, at)[0]
+
+
+def _batch_decoded_size(batch: _Fb, body: bytes) -> int:
+    """Bytes the record batch's buffers take once decoded: their lengths, or for a compressed
+    body each buffer's declared uncompressed length (its first 8 bytes; -1 = stored as is)."""
+    compressed = batch.table(3) is not None
+    total = 0
+    for at in batch.structs(2, 16):
+        offset, length = struct.unpack_from("<qq", batch.buf, at)
+        if offset < 0 or length < 0 or offset + length > len(body):
+            raise BadFrame(f"a buffer at {offset} of {length} bytes lies outside the {len(body)}-byte body")
+        if not compressed or length == 0:
+            total += length
+            continue
+        if length < 8:
+            raise BadFrame("a compressed buffer has no length prefix")
+        declared = struct.unpack_from("<q", body, offset)[0]
+        if declared < -1:
+            raise BadFrame(f"a compressed buffer declares {declared} bytes")
+        total += length - 8 if declared == -1 else declared
+    return total
+
+
+def decoded_size(payload: bytes | memoryview) -> int:
+    """Bytes the frame's record and dictionary batches declare once decoded, from the IPC metadata
+    alone (nothing is decompressed). :class:`BadFrame` when the bytes are not an IPC stream."""
+    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(payload))
+    total = 0
+    while True:
+        try:
+            message = reader.read_next_message()
+        except StopIteration:
+            return total
+        meta = message.metadata.to_pybytes()
+        root = _Fb(meta, _unpack("<I", meta, 0))
+        kind = root.scalar(1, "<B")
+        header = root.table(2)
+        if header is None or kind not in (_HEADER_DICTIONARY, _HEADER_RECORD_BATCH):
+            continue  # the schema (a frame has one), or a kind that carries no buffers
+        if kind == _HEADER_DICTIONARY:
+            header = header.table(1)
+            if header is None:
+                raise BadFrame("a dictionary batch without data")
+        body = message.body.to_pybytes() if message.body is not None else b""
+        total += _batch_decoded_size(header, body)
+
+
+def read_frame(payload: bytes | memoryview, rows_header: str | None = None,
+               max_ratio: int = MAX_DECODE_RATIO) -> list[pa.RecordBatch]:
+    """The record batches of one frame from an untrusted source (module docstring states the checks);
+    ``rows_header`` is the message's ``Isb-Rows`` header when it has one."""
+    cap = max(max_ratio * len(payload), MIN_DECODE_CAP)
+    try:
+        size = decoded_size(payload)
+        if size > cap:
+            raise BadFrame(f"the frame of {len(payload)} bytes declares {size} bytes once decoded, over "
+                           f"the cap of {cap} ({max_ratio}x its size, at least {MIN_DECODE_CAP})")
+        batches = decode_batches(payload)
+    except BadFrame:
+        raise
+    except (pa.ArrowException, ValueError, OSError, IndexError, struct.error) as e:
+        raise BadFrame(f"not an Arrow IPC frame ({type(e).__name__}: {e})") from None
+    if rows_header is not None:
+        try:
+            declared = int(str(rows_header).strip())
+        except ValueError:
+            raise BadFrame(f"its {HDR_ROWS} header {str(rows_header)[:64]!r} is not a row count") from None
+        actual = sum(b.num_rows for b in batches)
+        if declared != actual:
+            raise BadFrame(f"it holds {actual} rows, its {HDR_ROWS} header says {declared}")
+    return batches
 
 
 def split_frames(data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch], max_bytes: int,

@@ -10,7 +10,13 @@ row's other columns as one JSON object. Keys use the KV alphabet
   revision; ``replace=True`` also deletes keys absent from ``rows``.
 - :func:`load` returns ``(revision, table)``: ``revision`` is the bucket stream's
   last sequence, which every put or delete raises; the table is a
-  ``pyarrow.Table`` with the key column first, rows sorted by key.
+  ``pyarrow.Table`` with the key column first, rows sorted by key. A load that
+  does not finish within ``timeout`` seconds (:data:`LOAD_TIMEOUT`) fails with
+  a :class:`ReferenceError` naming the bucket, never waits forever.
+- Rows are validated on put and on load (:func:`check_rows`): a key in the KV
+  alphabet, a value that is a JSON object of scalar columns (string, number,
+  boolean or null), a column of one type across rows; a bad row is an error
+  naming its key (and, on load, the bucket).
 - :class:`ReferenceCache` serves a Spark step: each :meth:`~ReferenceCache.dataframe`
   call (once per micro-batch, on the driver) asks the server for the revision
   only, and reloads the table only when it changed.
@@ -36,6 +42,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 _HISTORY = 1
+#: seconds a load (or a revision check) of a reference table may take before it fails
+LOAD_TIMEOUT = 30.0
 
 
 class ReferenceError(Exception):
@@ -53,13 +61,44 @@ def _not_found(pipeline: str, name: str, settings: NatsSettings) -> ReferenceErr
         f"'isbflow ref put -f <spec> --name {name} --from-file <rows.json>'")
 
 
-def check_rows(rows: Mapping[str, Any]) -> None:
-    """Raise :class:`ReferenceError` naming the first bad key or value."""
+def _kind(value: Any) -> str | None:
+    """A column value's type as a table column sees it (None for null); ValueError when not scalar."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    raise ValueError(type(value).__name__)
+
+
+def check_rows(rows: Mapping[str, Any], where: str = "") -> None:
+    """Raise :class:`ReferenceError` naming the first bad key or value (``where`` is added to the
+    message: the bucket, on load). A row is an object of scalar columns; a column keeps one type."""
+    kinds: dict[str, tuple[str, str]] = {}  # column -> (type, first key with it)
     for key, value in rows.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):
-            raise ReferenceError(f"reference key {key!r} is not allowed: use letters, digits and - _ = / .")
+            raise ReferenceError(f"reference key {key!r}{where} is not allowed: use letters, digits and - _ = / .")
         if not isinstance(value, Mapping):
-            raise ReferenceError(f"reference row {key!r} must be an object of columns, got {type(value).__name__}")
+            raise ReferenceError(f"reference row {key!r}{where} must be an object of columns, "
+                                 f"got {type(value).__name__}")
+        for column, v in value.items():
+            if not isinstance(column, str) or not column:
+                raise ReferenceError(f"reference row {key!r}{where}: column names are non-empty strings, "
+                                     f"got {column!r}")
+            try:
+                kind = _kind(v)
+            except ValueError:
+                raise ReferenceError(f"reference row {key!r}{where}: column {column!r} must be a string, number, "
+                                     f"boolean or null, got {type(v).__name__}") from None
+            if kind is None:
+                continue
+            seen = kinds.setdefault(column, (kind, key))
+            if seen[0] != kind:
+                raise ReferenceError(f"reference row {key!r}{where}: column {column!r} is a {kind}, but a "
+                                     f"{seen[0]} in row {seen[1]!r}: a column has one type")
 
 
 def _encode(value: Mapping[str, Any]) -> bytes:
@@ -73,9 +112,12 @@ async def _entries(kv: Any) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     # Read up to the bucket stream's last sequence as of now. The watcher's first
     # None ("initial values done") can come before the stored entries under load,
-    # which once made a step plan an empty reference table.
-    last = (await kv.status()).stream_info.state.last_seq
-    if last == 0:
+    # which once made a step plan an empty reference table. The last sequence's
+    # message may be gone (a purged stream, a deleted message): an entry with nothing
+    # pending after it (delta 0) ends the read too.
+    state = (await kv.status()).stream_info.state
+    last = state.last_seq
+    if last == 0 or state.messages == 0:
         return out
     watcher = await kv.watchall()
     try:
@@ -86,7 +128,7 @@ async def _entries(kv: Any) -> dict[str, bytes]:
                 out.pop(entry.key, None)
             else:
                 out[entry.key] = entry.value
-            if entry.revision >= last:
+            if entry.revision >= last or entry.delta == 0:
                 break
     finally:
         await watcher.stop()
@@ -126,16 +168,33 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
 
 
-async def revision(settings: NatsSettings, pipeline: str, name: str) -> int:
+def _timed_out(pipeline: str, name: str, settings: NatsSettings, what: str, timeout: float) -> ReferenceError:
+    return ReferenceError(
+        f"{what} reference table {name!r} of pipeline {pipeline} (KV bucket {naming.reference_bucket(pipeline, name)}) "
+        f"on {settings.display} timed out after {timeout:g} s: check the ISB service and the bucket "
+        f"('isbflow ref get'), or load it again with 'isbflow ref put'")
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout: float, error: ReferenceError) -> T:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except TimeoutError:
+        raise error from None
+
+
+async def revision(settings: NatsSettings, pipeline: str, name: str, timeout: float = LOAD_TIMEOUT) -> int:
     """The table's revision: the bucket stream's last sequence (one small request)."""
     from nats.js.errors import NotFoundError
 
-    async with session(settings, name="isbflow-ref") as nc:
-        try:
-            return (await nc.jetstream().stream_info(
-                _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
-        except NotFoundError:
-            raise _not_found(pipeline, name, settings) from None
+    async def go() -> int:
+        async with session(settings, name="isbflow-ref") as nc:
+            try:
+                return (await nc.jetstream().stream_info(
+                    _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
+            except NotFoundError:
+                raise _not_found(pipeline, name, settings) from None
+
+    return await _within(go(), timeout, _timed_out(pipeline, name, settings, "checking the revision of", timeout))
 
 
 def to_table(rows: Mapping[str, Mapping[str, Any]], key: str = "key") -> pa.Table:
@@ -146,8 +205,22 @@ def to_table(rows: Mapping[str, Mapping[str, Any]], key: str = "key") -> pa.Tabl
     return pa.Table.from_pylist(records)
 
 
-async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key") -> tuple[int, pa.Table]:
-    """``(revision, table)`` of the reference table; :class:`ReferenceError` when it does not exist.
+def _decode(entries: Mapping[str, bytes], where: str) -> dict[str, Any]:
+    rows = {}
+    for key, raw in entries.items():
+        try:
+            rows[key] = json.loads(raw)
+        except ValueError:
+            raise ReferenceError(f"reference row {key!r}{where} is not JSON: store rows with "
+                                 "'isbflow ref put'") from None
+    check_rows(rows, where)
+    return rows
+
+
+async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key",
+               timeout: float = LOAD_TIMEOUT) -> tuple[int, pa.Table]:
+    """``(revision, table)`` of the reference table; :class:`ReferenceError` when it does not exist,
+    when a row is not valid (naming its key) or when the load takes over ``timeout`` seconds.
 
     The revision is read before the values, so a put racing with the load makes
     the next revision check reload: never a stale table under a fresh revision.
@@ -155,15 +228,19 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     bucket = naming.reference_bucket(pipeline, name)
-    async with session(settings, name="isbflow-ref") as nc:
-        js = nc.jetstream()
-        try:
-            rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
-            kv = await js.key_value(bucket)
-        except (BucketNotFoundError, NotFoundError):
-            raise _not_found(pipeline, name, settings) from None
-        entries = await _entries(kv)
-    return rev, to_table({k: json.loads(v) for k, v in entries.items()}, key)
+
+    async def go() -> tuple[int, dict[str, bytes]]:
+        async with session(settings, name="isbflow-ref") as nc:
+            js = nc.jetstream()
+            try:
+                rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
+                kv = await js.key_value(bucket)
+            except (BucketNotFoundError, NotFoundError):
+                raise _not_found(pipeline, name, settings) from None
+            return rev, await _entries(kv)
+
+    rev, entries = await _within(go(), timeout, _timed_out(pipeline, name, settings, "loading", timeout))
+    return rev, to_table(_decode(entries, f" of KV bucket {bucket}"), key)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -195,8 +272,10 @@ class ReferenceCache:
     step's transform) and join with it. ``loads`` counts reloads.
     """
 
-    def __init__(self, settings: NatsSettings, pipeline: str, name: str, key: str = "key"):
+    def __init__(self, settings: NatsSettings, pipeline: str, name: str, key: str = "key",
+                 timeout: float = LOAD_TIMEOUT):
         self.settings, self.pipeline, self.name, self.key = settings, pipeline, name, key
+        self.timeout = timeout
         self.revision: int | None = None
         self.loads = 0
         self._table: pa.Table | None = None
@@ -204,9 +283,9 @@ class ReferenceCache:
 
     def table(self) -> pa.Table:
         """The current table, reloading it when the bucket's revision moved."""
-        rev = _run(revision(self.settings, self.pipeline, self.name))
+        rev = _run(revision(self.settings, self.pipeline, self.name, self.timeout))
         if rev != self.revision or self._table is None:
-            self.revision, self._table = _run(load(self.settings, self.pipeline, self.name, self.key))
+            self.revision, self._table = _run(load(self.settings, self.pipeline, self.name, self.key, self.timeout))
             self.loads += 1
             self._frames.clear()
         return self._table

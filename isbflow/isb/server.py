@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from isbflow.local.procs import process_alive
-from isbflow.spec.paths import DataDir
+from isbflow.spec.paths import DataDir, private_dir
 
 HOST = "127.0.0.1"
 STATE_FILE = "state.json"
@@ -294,7 +294,7 @@ def start_embedded(
         if missing:
             raise EmbeddedNatsError(f"TLS needs existing cert, key and ca files; missing: {', '.join(missing)}")
         tls = {k: str(Path(tls[k]).absolute()) for k in ("cert", "key", "ca")}
-    ndir.mkdir(parents=True, exist_ok=True)
+    DataDir(data_dir).make(ndir)
     os.chmod(ndir, 0o700)
     user = password = route_password = password_file = None
     if auth:
@@ -309,7 +309,7 @@ def start_embedded(
     for i, (cp, hp, rp) in enumerate(ports):
         name = f"n{i + 1}"
         store = ndir / name / "jetstream"
-        store.mkdir(parents=True, exist_ok=True)
+        private_dir(store)
         routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
         conf = ndir / f"{name}.conf"
         _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, route_password,

@@ -26,6 +26,8 @@ import re
 import shutil
 from pathlib import Path
 
+from isbflow.spec.paths import private_dir
+
 STATIC_DIR = "_static"
 STYLESHEET = "isbflow-docs.css"
 _HERE = Path(__file__).parent / "static"
@@ -75,7 +77,7 @@ def install_static(reports_root: Path) -> Path:
     stamp = target / ".gx-version"
     if stamp.exists() and stamp.read_text() == gx.__version__ and (target / STYLESHEET).exists():
         return target
-    target.mkdir(parents=True, exist_ok=True)
+    private_dir(target)  # under the data dir: owner only, like it
     for sub in ("images", "styles", "fonts"):
         src = _gx_static() / sub
         if src.is_dir():

@@ -15,12 +15,44 @@ holds all a pipeline keeps on disk besides its sinks:
 
 Nothing else builds these paths from strings; pipeline and vertex names are
 validated by the spec (no separators), so no path leaves the data dir.
+
+The data dir is private to its user: :meth:`DataDir.ensure` creates it with
+mode 0700 (and takes group and other access away from an existing one), and
+folders isbflow creates inside it are made 0700 by :func:`private_dir` (Spark
+writes checkpoints with the umask ``077``: see ``steps.runner.spark_session``).
+Sinks, checkpoints, quality reports and logs are then unreadable by other
+local users.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+#: the mode of the data dir and of every folder isbflow creates in it
+PRIVATE_DIR_MODE = 0o700
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """``mkdir -p`` where every folder created gets mode 0700 (whatever the umask); existing
+    folders are left as they are. Returns the path."""
+    path = Path(path)
+    missing = []
+    for p in (path, *path.parents):
+        if p.is_dir():
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            if not p.is_dir():
+                raise
+            continue
+        os.chmod(p, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask; only ever narrower
+    return path
 
 
 @dataclass(frozen=True)
@@ -31,6 +63,23 @@ class DataDir:
 
     def __init__(self, root: str | Path):
         object.__setattr__(self, "root", Path(root))
+
+    def ensure(self) -> Path:
+        """Create the data dir with mode 0700, or take group and other access away from an
+        existing one (its owner's bits stay). Returns the root."""
+        private_dir(self.root)
+        mode = stat.S_IMODE(self.root.stat().st_mode)
+        if mode & 0o077:
+            try:
+                os.chmod(self.root, mode & ~0o077)
+            except PermissionError:  # not its owner: nothing isbflow may change
+                pass
+        return self.root
+
+    def make(self, path: str | os.PathLike) -> Path:
+        """A folder under the data dir, created private (the data dir too): ``dd.make(dd.logs)``."""
+        self.ensure()
+        return private_dir(path)
 
     @property
     def nats(self) -> Path:

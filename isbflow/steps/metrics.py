@@ -63,6 +63,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from isbflow.connector.options import DEFAULT_FRAME_ROWS
 from isbflow.isb import naming
 from isbflow.isb.state import Observed
+from isbflow.spec.paths import DataDir
 
 if TYPE_CHECKING:
     from isbflow.spec.models import Pipeline
@@ -250,7 +251,7 @@ def serve(runner: PipelineRunner, port: int, data_dir: str | Path | None = None,
     record = None
     if data_dir is not None:
         record = record_path(data_dir, key)
-        record.parent.mkdir(parents=True, exist_ok=True)
+        DataDir(data_dir).make(record.parent)  # 0700, like the data dir
         tmp = record.with_suffix(".tmp")
         tmp.write_text(json.dumps([{"targets": [target], "labels": {"isbflow_key": key, "pid": str(os.getpid())}}]))
         tmp.replace(record)  # Prometheus never reads a half-written file

@@ -63,9 +63,9 @@ from pathlib import Path
 from typing import Any
 
 from isbflow.connector.files import FilesDataSource
-from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource
+from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource, dead_frames
 from isbflow.connector.reference import ReferenceDataSource
-from isbflow.connector.writer import read_write_stats
+from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
@@ -114,7 +114,12 @@ def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
 
 
 def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
-    """A SparkSession on loopback with isbflow's data sources registered."""
+    """A SparkSession on loopback with isbflow's data sources registered.
+
+    The Spark UI cannot kill stages or jobs (``spark.ui.killEnabled=false``: anyone who reaches
+    the UI port could), and Hadoop writes checkpoints with the umask 077 (owner only, like the
+    data dir they live in: :mod:`isbflow.spec.paths`).
+    """
     import sys
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -128,7 +133,9 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.ui.host", "127.0.0.1")
          .config("spark.sql.shuffle.partitions", "2")
          .config("spark.sql.session.timeZone", "UTC")
-         .config("spark.ui.showConsoleProgress", "false"))
+         .config("spark.ui.showConsoleProgress", "false")
+         .config("spark.ui.killEnabled", "false")
+         .config("spark.hadoop.fs.permissions.umask-mode", "077"))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     spark = b.getOrCreate()
@@ -215,6 +222,7 @@ class PipelineRunner:
         self.p = pipeline
         self.settings = settings
         self.data_dir = Path(data_dir).absolute()
+        DataDir(self.data_dir).ensure()  # 0700: sinks, checkpoints and stats are the owner's only
         self.processing_time = processing_time
         self.service = specs.service_for(pipeline)
         self.retention = self.service.spec.jetstream.bufferConfig.stream.retention.value
@@ -492,12 +500,15 @@ class PipelineRunner:
         status.lag = self._lag(run, committed)
 
     def _dlq_total(self, run: StepRun) -> int:
+        """Records the step's writer dead-lettered plus input frames its reader dead-lettered."""
         total = 0
         for rq in run.queries:
             if rq.stats_dir and Path(rq.stats_dir).exists():
-                total += sum(int(s.get("deadLettered", s.get("dead_lettered", 0)) or 0)
-                             for s in read_write_stats(rq.stats_dir))
+                # one small file, however many batches ran (the writer keeps the running totals)
+                total += int(read_write_totals(rq.stats_dir).get("dead_lettered") or 0)
                 break  # every output query sees the same input rows: count one
+        if not self.p.vertex(run.vertex).source:  # frames in: unreadable ones are counted in the status KV
+            total += self.nats.run(dead_frames(self.nats.nc, self.p.name, run.vertex))
         return total
 
     def _lag(self, run: StepRun, committed: dict[str, int]) -> dict[str, int]:

@@ -50,9 +50,14 @@ NATS_CONNECT_TIMEOUT_S = 3.0
 REPORT_TYPES = {".html", ".json", ".css", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".ico", ".woff", ".woff2",
                 ".ttf", ".eot", ".otf"}
 NO_STORE = {"Cache-Control": "no-store"}
-# Stored reports are data (GX pages show sample values): no script runs in them.
+# Stored reports are data (GX pages show sample values): no script runs in them, no form posts
+# anywhere, no <base> redirects their links, and they open sandboxed (no scripts, forms, popups,
+# plugins or top-level navigation). allow-same-origin only keeps the sandboxed page's origin: without
+# it the browser treats the page's own stylesheet and image requests as cross-site, the SameSite=Lax
+# session cookie is left off and they are refused (checked in Chromium: tests/test_hygiene.py).
 REPORT_CSP = ("default-src 'self'; script-src 'none'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-              "font-src 'self' data:; frame-ancestors 'self'")
+              "font-src 'self' data:; frame-ancestors 'self'; form-action 'none'; base-uri 'none'; "
+              "sandbox allow-same-origin")
 
 User = Annotated[Any, Depends(require_user)]
 
