@@ -63,7 +63,6 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -76,14 +75,22 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import StructType
 
 from isbflow.connector import offsets as off
+from isbflow.connector.batches import (  # noqa: F401
+    EVENTS_BATCH_ROWS,
+    EVENTS_SCHEMA,
+    arrow_schema,
+    conform,
+    events_batch,
+)
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
 from isbflow.connector.writer import stream_writer
-from isbflow.isb import dlq, frames, naming
+from isbflow.isb import dlq, frames
 from isbflow.isb.connect import NatsSettings, SyncSession, run_with
+from isbflow.isb.dlq import add_dead_frames, dead_frames, dead_frames_key  # noqa: F401 - re-exported
 from isbflow.isb.errors import (
     BufferLost,
     BufferNotFound,
@@ -91,7 +98,6 @@ from isbflow.isb.errors import (
     ConnectorOptionError,
 )
 from isbflow.isb.read import (
-    Message,
     StreamState,
     read_partition,
     stream_state,
@@ -100,61 +106,8 @@ from isbflow.isb.state import get_drain_point
 
 log = logging.getLogger(__name__)
 
-#: The fixed schema of events mode. ``_isb_ts`` is the time JetStream stored the event.
-EVENTS_SCHEMA = StructType([
-    StructField("value", StringType()),
-    StructField("_isb_id", StringType()),
-    StructField("_isb_seq", LongType()),
-    StructField("_isb_stream", StringType()),
-    StructField("_isb_ts", TimestampType()),
-])
-#: Events per Arrow batch handed to Spark.
-EVENTS_BATCH_ROWS = 10_000
 #: Bytes of a bad frame's payload kept in its dead letter (enough to see what it was).
 BAD_FRAME_PREFIX = 1024
-
-
-def dead_frames_key(vertex: str) -> str:
-    """The status KV key counting the frames ``vertex`` dead-lettered on read."""
-    return f"deadframes.{vertex}"
-
-
-async def dead_frames(nc, pipeline: str, vertex: str) -> int:
-    """How many frames ``vertex`` dead-lettered on read so far (0 when none, or no status bucket)."""
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
-    try:
-        kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
-        entry = await kv.get(dead_frames_key(vertex))
-    except (BucketNotFoundError, NotFoundError):
-        return 0
-    try:
-        return int(entry.value or 0)
-    except ValueError:
-        return 0
-
-
-async def add_dead_frames(nc, pipeline: str, vertex: str, n: int) -> None:
-    """Add ``n`` to :func:`dead_frames` (compare-and-set: tasks of one step may add at once)."""
-    from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-
-    kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
-    key = dead_frames_key(vertex)
-    for _ in range(100):
-        try:
-            entry = await kv.get(key)
-        except NotFoundError:  # missing or deleted
-            entry = None
-        try:
-            if entry is None:
-                await kv.create(key, str(n).encode())
-            else:
-                await kv.update(key, str(int(entry.value or 0) + n).encode(), last=entry.revision)
-            return
-        except KeyWrongLastSequenceError:
-            await asyncio.sleep(0.01)
-    raise BufferReadError(f"could not count {n} dead-lettered frame(s) of step {vertex}: the status key "
-                          f"{key} kept changing")
 
 
 class JetStreamPartition(InputPartition):
@@ -290,7 +243,7 @@ class _RangeReader:
                                 on_gap=on_gap if replay else None,
                                 on_recreated=on_recreated if replay else None,
                                 prefer_consumer=self.opts.mode == "events")
-        target = _arrow_schema(self.schema)
+        target = arrow_schema(self.schema)
         if self.opts.mode == "frames":
             bad: list[dlq.DeadLetter] = []
             for msgs in chunks:
@@ -300,14 +253,14 @@ class _RangeReader:
                     except frames.BadFrame as e:
                         bad.append(self._bad_frame(p, seq, data, headers, str(e)))
                         continue
-                    yield from _conform(p.stream, seq, batches, target)
+                    yield from conform(p.stream, seq, batches, target)
             if bad:
                 self._dead_letter(bad)
         else:
             prefix = f"{self.opts.source_name}/{p.index}/"
             for msgs in chunks:
                 for i in range(0, len(msgs), EVENTS_BATCH_ROWS):
-                    yield _events_batch(msgs[i:i + EVENTS_BATCH_ROWS], p.stream, prefix, target)
+                    yield events_batch(msgs[i:i + EVENTS_BATCH_ROWS], p.stream, prefix, target)
 
 
     def _bad_frame(self, p: JetStreamPartition, seq: int, data: bytes, headers: dict, why: str) -> dlq.DeadLetter:
@@ -505,47 +458,3 @@ class JetStreamBatchReader(_RangeReader, DataSourceReader):
         return super().read(partition)
 
 
-def _arrow_schema(schema: StructType) -> pa.Schema:
-    """The Arrow schema Spark checks each yielded batch against (UTC timestamps)."""
-    from pyspark.sql.pandas.types import to_arrow_schema
-
-    return to_arrow_schema(schema, timezone="UTC")
-
-
-def _conform(stream: str, seq: int, batches: list[pa.RecordBatch],
-             target: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The record batches of one frame, conformed to ``target`` (column order, types); a frame of
-    another schema is a deployment mismatch and fails (module doc, *Bad frames*)."""
-    for b in batches:
-        if not b.schema.equals(target):
-            missing = [n for n in target.names if n not in b.schema.names]
-            if missing:
-                raise BufferReadError(
-                    f"buffer {stream}: frame {seq} lacks column(s) {missing} of the schema given "
-                    "with .schema(...); the upstream step writes " + ", ".join(b.schema.names))
-            try:
-                b = b.select(target.names).cast(target)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise BufferReadError(f"buffer {stream}: frame {seq} does not fit the given schema "
-                                      f"({e})") from None
-        yield b
-
-
-def _events_batch(msgs: list[Message], stream: str, prefix: str, target: pa.Schema) -> pa.RecordBatch:
-    """One Arrow batch of events: payloads, ids, sequences, stream, store time; built in bulk."""
-    n = len(msgs)
-    seqs = pa.array([m[0] for m in msgs], pa.int64())
-    raw = pa.array([m[1] for m in msgs], pa.binary())
-    try:
-        value = raw.cast(pa.string())
-    except pa.ArrowInvalid:  # not UTF-8: keep the event (from_json will route it to the DLQ)
-        value = pa.array([m[1].decode("utf-8", "replace") for m in msgs], pa.string())
-    ids = pc.binary_join_element_wise(prefix, seqs.cast(pa.string()), "")
-    times = [m[3] for m in msgs]
-    if isinstance(times[0], int):  # consumer path: ns since the epoch
-        ts = pa.array(times, pa.int64()).cast(pa.timestamp("ns", "UTC"))
-    else:  # direct get: RFC 3339 strings
-        ts = pa.array(times, pa.string()).cast(pa.timestamp("ns", "UTC"))
-    ts = ts.cast(pa.timestamp("us", "UTC"), safe=False)
-    return pa.RecordBatch.from_arrays(
-        [value, ids, seqs, pa.repeat(pa.scalar(stream, pa.string()), n), ts], schema=target)

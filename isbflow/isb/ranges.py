@@ -43,6 +43,17 @@ def union(*many: Mapping[str, Iterable[Iterable[int]]]) -> PartitionRanges:
     return {part: normalize(r) for part, r in sorted(acc.items())}
 
 
+def intersect(a: Ranges, b: Ranges) -> Ranges:
+    """The offsets in both ``a`` and ``b``."""
+    out = []
+    for lo, hi in a:
+        for blo, bhi in b:
+            x, y = max(lo, blo), min(hi, bhi)
+            if x <= y:
+                out.append([x, y])
+    return normalize(out)
+
+
 def count(ranges: Ranges) -> int:
     return sum(hi - lo + 1 for lo, hi in ranges)
 

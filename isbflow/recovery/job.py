@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from isbflow.isb import naming
@@ -183,3 +185,27 @@ def dimension_columns(schema) -> list[str]:
 
     numeric = (IntegralType, FloatType, DoubleType, DecimalType, BooleanType)
     return [f.name for f in schema.fields if not isinstance(f.dataType, numeric)]
+
+
+# ------------------------------------------- checkpoints moved aside, never deleted
+
+
+def aside_dir(parent: Path, stamp: str) -> Path:
+    """``parent/_recovered-<stamp>``, made unique (two recoveries within one second)."""
+    d, n = parent / f"_recovered-{stamp}", 1
+    while d.exists():
+        n += 1
+        d = parent / f"_recovered-{stamp}-{n}"
+    return d
+
+
+
+def move_aside(paths: list[Path], into: Path) -> list[str]:
+    """Move each of ``paths`` that exists into ``into`` (made when needed); the paths moved."""
+    moved = []
+    for src in paths:
+        if src.exists():
+            into.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), str(into / src.name))
+            moved.append(str(src))
+    return moved

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -82,13 +81,16 @@ from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
+from isbflow.isb.ranges import intersect
 from isbflow.isb.read import stream_state
 from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
     SILENT_HEARTBEAT_S,
     Phase,
     RecoveryJob,
+    aside_dir,
     dimension_columns,
+    move_aside,
     region_of,
     running_steps,
 )
@@ -172,26 +174,6 @@ async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: f
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _aside_dir(parent: Path, stamp: str) -> Path:
-    """``parent/_recovered-<stamp>``, made unique (two recoveries within one second)."""
-    d, n = parent / f"_recovered-{stamp}", 1
-    while d.exists():
-        n += 1
-        d = parent / f"_recovered-{stamp}-{n}"
-    return d
-
-
-
-def _move_aside(paths: list[Path], into: Path) -> list[str]:
-    moved = []
-    for src in paths:
-        if src.exists():
-            into.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(src), str(into / src.name))
-            moved.append(str(src))
-    return moved
 
 
 def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
@@ -380,12 +362,12 @@ class _Recovery:
         stamp = time.strftime("%Y%m%dT%H%M%S")
         dirs = DataDir(data_dir)
         ck, stats = dirs.checkpoints(p.name), dirs.stats_of(p.name)
-        ck_aside, stats_aside = _aside_dir(ck, stamp), _aside_dir(stats, stamp)
+        ck_aside, stats_aside = aside_dir(ck, stamp), aside_dir(stats, stamp)
         moved = []
         for v in self.order:
             names = [query_name(v, None), *[query_name(v, e.to) for e in p.outputs(v)]]
-            moved += _move_aside([ck / n for n in names], ck_aside)
-            moved += _move_aside([stats / n for n in names], stats_aside)
+            moved += move_aside([ck / n for n in names], ck_aside)
+            moved += move_aside([stats / n for n in names], stats_aside)
         epoch = checkpoint_epoch(data_dir, p.name) + 1
         ef = epoch_file(data_dir, p.name)
         ef.parent.mkdir(parents=True, exist_ok=True)
@@ -442,7 +424,7 @@ class _Recovery:
             for part in self.part_stream:
                 covered = ledger.normalize([*present.get(part, []), *dead.get(part, [])])
                 want = [[self.first[part], self.last[part]]] if self.last[part] >= self.first[part] else []
-                check.missing += ledger.count(want) - ledger.count(_intersect(covered, want))
+                check.missing += ledger.count(want) - ledger.count(intersect(covered, want))
             self.report.sinks.append(check)
         self.job.phase("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,
                        sinks=[asdict(s) for s in self.report.sinks])
@@ -490,13 +472,3 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
         raise RecoveryError(f"recover {p.name}: the replay's step(s) {', '.join(failed)} ended "
                             f"{', '.join(str(out[v].state) for v in failed)} instead of drained")
     return out
-
-
-def _intersect(a: ledger.Ranges, b: ledger.Ranges) -> ledger.Ranges:
-    out = []
-    for lo, hi in a:
-        for blo, bhi in b:
-            x, y = max(lo, blo), min(hi, bhi)
-            if x <= y:
-                out.append([x, y])
-    return ledger.normalize(out)

@@ -55,160 +55,48 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isbflow.connector.files import FilesDataSource
-from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource, dead_frames
-from isbflow.connector.reference import ReferenceDataSource
+from isbflow.connector.reader import EVENTS_SCHEMA, dead_frames
 from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
 from isbflow.isb.read import stream_state
 from isbflow.isb.release import release
-from isbflow.sinks.delta import DeltaSinkDataSource
-from isbflow.spec import Specs, transforms
+from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
+from isbflow.steps.progress import (  # noqa: F401
+    RunningQuery,
+    StepRun,
+    account_batches,
+    committed_offsets,
+    step_committed,
+)
+from isbflow.steps.restart import (  # noqa: F401 - re-exported for callers of the runner
+    DEFAULT_RESTARTS,
+    TRANSIENT_FAILURES,
+    RestartPolicy,
+    StepError,
+    error_summary,
+)
+from isbflow.steps.session import (  # noqa: F401 - re-exported
+    checkpoint_epoch,
+    epoch_file,
+    load_transform,
+    register_sources,
+    spark_session,
+)
 from isbflow.steps.update import VERSION_COLUMN, UpdatePublisher
 
 log = logging.getLogger(__name__)
 
 PARTITION_COLUMN = "_isb_partition"
 ERROR_COLUMN = "_isb_error"
-
-
-_CAUSE_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Lost|NotFound|Full)): (.+)$")
-
-
-def error_summary(exc: BaseException) -> str:
-    """One line for a failed query's status: the Python exception that caused it when its text
-    carries a traceback (a data source's error arrives as a Spark exception whose first line
-    is only ``... Traceback (most recent call last):``), else the first line; 500 chars at most."""
-    lines = str(exc).splitlines()
-    causes = [m for line in lines[1:] if (m := _CAUSE_LINE.match(line.strip()))
-              and not m.group(1).startswith(("org.", "java.", "scala.", "py4j."))]
-    if causes:
-        name, message = causes[-1].groups()
-        return f"{name.rpartition('.')[2]}: {message}"[:500]
-    return (lines[0] if lines else repr(exc))[:500]
-
-
-class StepError(Exception):
-    """A step could not be built or failed; the message names the step."""
-
-
-def epoch_file(data_dir: Path, pipeline: str) -> Path:
-    return DataDir(data_dir).epoch_file(pipeline)
-
-
-def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
-    """The pipeline's checkpoint epoch: 0 until recovery first moves its checkpoints aside."""
-    f = epoch_file(data_dir, pipeline)
-    return int(f.read_text().strip() or 0) if f.exists() else 0
-
-
-def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
-    """A SparkSession on loopback with isbflow's data sources registered.
-
-    The Spark UI cannot kill stages or jobs (``spark.ui.killEnabled=false``: anyone who reaches
-    the UI port could), and Hadoop writes checkpoints with the umask 077 (owner only, like the
-    data dir they live in: :mod:`isbflow.spec.paths`).
-    """
-    import sys
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
-
-    b = (SparkSession.builder.master(master).appName(app_name)
-         .config("spark.driver.host", "127.0.0.1")
-         .config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.ui.host", "127.0.0.1")
-         .config("spark.sql.shuffle.partitions", "2")
-         .config("spark.sql.session.timeZone", "UTC")
-         .config("spark.ui.showConsoleProgress", "false")
-         .config("spark.ui.killEnabled", "false")
-         .config("spark.hadoop.fs.permissions.umask-mode", "077"))
-    for k, v in (conf or {}).items():
-        b = b.config(k, v)
-    spark = b.getOrCreate()
-    register_sources(spark)
-    return spark
-
-
-def register_sources(spark) -> None:
-    for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource):
-        spark.dataSource.register(ds)
-
-
-def load_transform(entry: str) -> Callable:
-    """The vertex's transform; a :class:`StepError` when the entry names no importable callable."""
-    try:
-        return transforms.load_transform(entry)
-    except transforms.TransformError as e:
-        raise StepError(str(e)) from None
-
-
-@dataclass
-class RunningQuery:
-    vertex: str
-    to: str | None
-    query: Any
-    inputs: list[str]  # input stream names (for committed offsets, lag, release)
-    seen_batch: int = -1
-    stats_dir: str | None = None
-    writer: Any = None  # the DataStreamWriter, to start the query again from its checkpoint
-    restarts: int = 0
-
-
-#: Failures of the plumbing, not of the data: on a loaded small machine a new Python
-#: worker can miss Spark's fixed 10 s connect-back window; in a NATS cluster a read
-#: consumer placed on a replica still catching up (a node just restarted) delivers
-#: nothing for a while. A query that hits one is started again from its checkpoint
-#: (the batch re-runs; frame ids and the sink's app transaction make that
-#: exactly-once; the new read consumer is placed anew), a few times.
-TRANSIENT_FAILURES = ("Python worker failed to connect back",
-                      # isbflow.isb.read: the ISB service slow or failing over
-                      "s while reading sequences", "did not answer STREAM.INFO", "cannot create a read consumer")
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How the runner restarts a query that failed transiently (:data:`TRANSIENT_FAILURES`).
-
-    Restart n waits ``min(n * backoff_s, backoff_max_s)``: the Python process of the failed
-    attempt goes on loading for a while (its own auth timeout), so restarting at once on a
-    loaded machine piles such processes up and each attempt loads slower than the last.
-    Short enough that the step's heartbeat never looks stale meanwhile. Tests run this
-    same policy (it is a constructor argument, never a subclass with other numbers).
-    """
-
-    max_restarts: int = 5
-    backoff_s: float = 2.0
-    backoff_max_s: float = 10.0
-
-    def wait_before(self, n: int) -> float:
-        """Seconds to wait before restart ``n`` (1-based)."""
-        return min(self.backoff_s * n, self.backoff_max_s)
-
-
-DEFAULT_RESTARTS = RestartPolicy()
-
-
-@dataclass
-class StepRun:
-    vertex: str
-    queries: list[RunningQuery] = field(default_factory=list)
-    status: st.StepStatus | None = None
-    draining: bool = False
-    drain_point: dict[str, int] | None = None
 
 
 class PipelineRunner:
@@ -448,48 +336,12 @@ class PipelineRunner:
         return w
 
     # ------------------------------------------------------------------ bookkeeping
-    def _committed(self, rq: RunningQuery) -> dict[str, int] | None:
-        """Input stream -> committed seq from the query's last completed batch."""
-        progress = rq.query.lastProgress
-        if not progress or not progress.get("sources"):
-            return None
-        out: dict[str, int] = {}
-        for src in progress["sources"]:
-            end = src.get("endOffset")
-            if isinstance(end, str):
-                try:
-                    end = json.loads(end)
-                except ValueError:
-                    continue
-            if isinstance(end, dict):
-                for stream, o in end.items():
-                    if isinstance(o, dict) and "seq" in o:
-                        out[stream] = int(o["seq"])
-        return out
-
     def _bookkeep(self, run: StepRun) -> None:
         """After new batches: committed offsets, buffer release, heartbeat fields."""
         status = run.status
         assert status is not None
-        rows = 0
-        per_query = [self._committed(rq) or {} for rq in run.queries]
-        # with several queries per vertex (one per output edge) the step has committed only what
-        # all of them have: a stream one query has not reported yet (no batch since it started
-        # or restarted) is not committed at all, or its release would purge what that query reads
-        committed = {s: min(c[s] for c in per_query) for s in (per_query[0] if per_query else {})
-                     if all(s in c for c in per_query)}
-        for rq in run.queries:
-            prog = rq.query.lastProgress
-            if prog and prog["batchId"] != rq.seen_batch:
-                rq.seen_batch = prog["batchId"]
-                status.batch_id = max(status.batch_id, prog["batchId"])
-                status.input_rows_per_s = float(prog.get("inputRowsPerSecond") or 0.0)
-                status.processed_rows_per_s = float(prog.get("processedRowsPerSecond") or 0.0)
-                rows += int(prog.get("numInputRows") or 0)
-                for so in prog.get("stateOperators") or []:
-                    status.late_total += int(so.get("numRowsDroppedByWatermark") or 0)
-        if rows and len(run.queries):
-            status.rows_total += rows // len(run.queries)
+        committed = step_committed(run.queries)
+        account_batches(status, run.queries)
         if committed and committed != status.committed:
             status.committed = committed
             self.nats.run(st.put_committed(self.nats.nc, self.p.name, run.vertex, committed))
@@ -651,7 +503,7 @@ class PipelineRunner:
             log.info("step %s draining up to %s", run.vertex, point)
         assert run.drain_point is not None
         done = all(
-            (self._committed(rq) or {}).get(s, 0) >= seq or seq == 0
+            (committed_offsets(rq) or {}).get(s, 0) >= seq or seq == 0
             for rq in run.queries for s, seq in run.drain_point.items()
         ) and all(not rq.query.status.get("isDataAvailable") for rq in run.queries)
         # stop between micro-batches only: a batch still running (e.g. a no-data batch an

@@ -1,0 +1,70 @@
+"""The Spark side of a step: a SparkSession on loopback with isbflow's data sources, the
+user's transforms, and the pipeline's checkpoint epoch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from isbflow.connector.files import FilesDataSource
+from isbflow.connector.reader import JetStreamDataSource
+from isbflow.connector.reference import ReferenceDataSource
+from isbflow.sinks.delta import DeltaSinkDataSource
+from isbflow.spec import transforms
+from isbflow.spec.paths import DataDir
+from isbflow.steps.restart import StepError
+
+
+def epoch_file(data_dir: Path, pipeline: str) -> Path:
+    return DataDir(data_dir).epoch_file(pipeline)
+
+
+def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
+    """The pipeline's checkpoint epoch: 0 until recovery first moves its checkpoints aside."""
+    f = epoch_file(data_dir, pipeline)
+    return int(f.read_text().strip() or 0) if f.exists() else 0
+
+
+def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
+    """A SparkSession on loopback with isbflow's data sources registered.
+
+    The Spark UI cannot kill stages or jobs (``spark.ui.killEnabled=false``: anyone who reaches
+    the UI port could), and Hadoop writes checkpoints with the umask 077 (owner only, like the
+    data dir they live in: :mod:`isbflow.spec.paths`).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import (
+        SparkSession,  # lazy: Spark's JVM starts only when a session is asked for
+    )
+
+    b = (SparkSession.builder.master(master).appName(app_name)
+         .config("spark.driver.host", "127.0.0.1")
+         .config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.ui.host", "127.0.0.1")
+         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.sql.session.timeZone", "UTC")
+         .config("spark.ui.showConsoleProgress", "false")
+         .config("spark.ui.killEnabled", "false")
+         .config("spark.hadoop.fs.permissions.umask-mode", "077"))
+    for k, v in (conf or {}).items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    register_sources(spark)
+    return spark
+
+
+def register_sources(spark) -> None:
+    for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource):
+        spark.dataSource.register(ds)
+
+
+def load_transform(entry: str) -> Callable:
+    """The vertex's transform; a :class:`StepError` when the entry names no importable callable."""
+    try:
+        return transforms.load_transform(entry)
+    except transforms.TransformError as e:
+        raise StepError(str(e)) from None
