@@ -19,8 +19,10 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from typer.testing import CliRunner
 
+from isbflow.isb import ledger
 from isbflow.quality import checks, docs, reports
 from isbflow.quality.run import dead_letter_ids, expected_schema, run_quality
+from isbflow.quality.verify import verify_table
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.expectations import build_catalog, catalog, check_expectations
 from isbflow.steps.runner import PipelineRunner
@@ -160,6 +162,26 @@ def test_completeness_counts_holes_minus_dead_letters(spark):
     assert clean.success and clean.details["ranges"] == {"in/0": [3, 8]}
 
 
+def test_ledger_completeness_names_lost_offsets_and_lists_records_in_flight(spark):
+    from isbflow.isb.ledger import CommittedWatermark
+
+    ids = [f"in/0/{i}" for i in range(1, 31) if i not in (7, 8)] + ["in/0/5", "bogus"]
+    df = spark.createDataFrame([(i,) for i in ids], "_isb_id string")
+    present = checks.present_ranges(df)
+    assert present == ({"in/0": [[1, 6], [9, 30]]}, 1)
+    assert checks.duplicate_ids(df) == (1, 1, ["in/0/5"])
+    mark = CommittedWatermark("raw", {"in/0": 25}, True)
+    verdicts, malformed = checks.judge_sink(df, {"in/0": [[1, 30]]}, {"in/0": [[8, 8]]}, {"in/0": (1, 40)}, mark,
+                                            present)
+    now = datetime.now(UTC)
+    r = checks.ledger_completeness(verdicts, malformed, now, lambda part, seq: now.timestamp() - 60 - seq, mark)
+    # 7 is lost (8 is dead-lettered); 31..40 are in flight, never a failure; plus the malformed id
+    assert (r.success, r.unexpected_count, r.samples) == (False, 2, ["in/0/7"])
+    assert r.details["proven"] == {"in/0": [[1, 6], [8, 30]]} and r.details["ranges"] == {"in/0": [1, 30]}
+    assert r.details["in_flight"] == {"count": 10, "oldest": "in/0/31", "oldest_age_s": pytest.approx(91, abs=1)}
+    assert checks.in_flight_upto(verdicts, {"in/0": 33}) == 3
+
+
 def test_freshness_uses_the_injected_clock(spark):
     df = spark.createDataFrame([(datetime(2025, 1, 1, 0, 0, 30, tzinfo=UTC),)], "ts timestamp")
     newest = datetime(2025, 1, 1, 0, 0, 30, tzinfo=UTC)
@@ -172,12 +194,6 @@ def test_freshness_uses_the_injected_clock(spark):
 # ------------------------------------------------------------------ end to end on the demo
 
 
-def _newest(path: str) -> datetime:
-    t = DeltaTable(path).to_pyarrow_table()
-    col = "ts" if "ts" in t.column_names else "window_end"
-    return max(t.column(col).to_pylist())
-
-
 def _by_name(report) -> dict[str, checks.CheckResult]:
     out = {}
     for c in report.checks:
@@ -186,104 +202,153 @@ def _by_name(report) -> dict[str, checks.CheckResult]:
     return out
 
 
-def test_demo_sinks_clean_then_injected_bad_data(spark, nats_server):
-    from isbflow.isb import provision, reference
-    from isbflow.ops.produce import produce
+def _checks_of(report: dict) -> dict[str, dict]:
+    return {c["name"] if c["origin"] == "builtin" else f"{c['name']}:{c['kwargs'].get('column')}": c
+            for c in report["checks"]}
 
-    specs = load_specs(LOGS)
-    p = specs.only_pipeline()
+
+def test_demo_sinks_on_the_ledger_with_records_in_flight_then_injected_bad_data(spark, nats_server):
+    """One run of the demo serves every assertion: the README's by-hand sequence (events stamped from
+    now, available-now, ``quality run``) passes with records in flight; then bad data fails exactly."""
+    from isbflow.ops.produce import produce, shift_for
+    from isbflow.quality.basis import read_ledger_basis
+    from tests.recovery_helpers import setup
+
     settings, data_dir = nats_server.settings, nats_server.data_dir
-    asyncio.run(provision.apply(settings, specs))
-    asyncio.run(reference.put(settings, p.name, "services",
-                              json.loads((ROOT / "pipelines/reference/services.json").read_text())))
-    count = 20_000  # 200 s of event time: the 2-minute watermark closes the first windows
-    asyncio.run(produce(settings, p, count=count, seed=7, malformed_every=500))
+    specs, p = setup(settings, LOGS)
+    shift = shift_for(datetime.now(UTC), 0)  # `isbflow produce --event-time-from now`
+    count, flying = 20_000, 2_000  # 200 s of event time: the 2-minute watermark closes the first windows
+    asyncio.run(produce(settings, p, count=count, seed=7, malformed_every=500, shift_ms=shift))
     runner = PipelineRunner(spark, specs, p, settings, data_dir)
     try:
         runner.run_available_now()
         schemas = {s: expected_schema(runner, s) for s in ("raw", "agg")}
     finally:
         runner.close()
+    # produced after the run: in the source buffer, in flight
+    asyncio.run(produce(settings, p, count=flying, seed=7, start=count, malformed_every=500, shift_ms=shift))
     raw_path, agg_path = str(data_dir / "sinks/logs/raw"), str(data_dir / "sinks/logs/agg")
     letters = dead_letter_ids(settings, p.name)
     assert len(letters) == count // 500
-    now = _newest(raw_path) + timedelta(minutes=1)
 
-    # ---- clean: everything passes
-    clean = {s: run_quality(spark, p, s, data_dir, dead_letters=letters, schema=schemas[s], now=now)
-             for s in ("raw", "agg")}
+    # ---- `isbflow quality run` on the real clock: both sinks pass, the records in flight are listed
+    cli = CliRunner()
+    args = ["quality", "run", "-f", str(LOGS), "--data-dir", str(data_dir), "--json"]
+    result = cli.invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    clean = {r["sink"]: r for r in json.loads(result.stdout)}
     for s, r in clean.items():
-        assert r.success, (s, [c.to_dict() for c in r.failures])
-        assert not any(c.skipped for c in r.checks if c.name != "completeness" or s == "raw"), s
-        assert r.table_version == DeltaTable(raw_path if s == "raw" else agg_path).version()
-    raw_checks = _by_name(clean["raw"])
-    # event 20000 (the last) is malformed: dead-lettered, and past the sink's newest id, so outside
-    # the range the sink basis checks; the other 39 dead letters fall inside it
-    assert raw_checks["completeness"].details["dead_lettered"] == len(letters) - 1
-    assert raw_checks["completeness"].details["ranges"] == {"in/0": [1, count - 1]}
-    assert raw_checks["uniqueness"].engine == "gx"
-    assert clean["raw"].offsets == {"in/0": [1, count - 1]} and clean["raw"].rows == count - len(letters)
-    assert _by_name(clean["agg"])["windows"].details["checked"] > 0
-    page = reports.report_path(data_dir, "logs", "raw", clean["raw"].docs).read_text()
+        assert r["success"], (s, r["failures"])
+        assert not any(c["skipped"] for c in r["checks"] if c["name"] != "completeness" or s == "raw"), s
+        assert r["table_version"] == DeltaTable(raw_path if s == "raw" else agg_path).version()
+        assert _checks_of(r)["freshness"]["success"]  # events stamped from now are fresh
+    raw_checks = _checks_of(clean["raw"])
+    complete = raw_checks["completeness"]["details"]
+    part = complete["partitions"]["in/0"]
+    assert complete["basis"] == "ledger" and part["watermark"] == count
+    assert part["watermark_from"] == "committed by every step from the source to the sink"
+    assert part["proven"] == [[1, count]] and complete["ranges"] == {"in/0": [1, count]}
+    assert part["dead_lettered"] == len(letters) and part["missing"] == 0
+    assert part["in_flight"]["count"] == flying and part["in_flight"]["oldest"] == count + 1
+    assert complete["in_flight"]["oldest"] == f"in/0/{count + 1}"
+    assert 0 <= complete["in_flight"]["oldest_age_s"] < 900
+    assert complete["watermark"]["confirmed"] and complete["watermark"]["steps"][-1] == "raw"
+    assert raw_checks["uniqueness"]["engine"] == "gx"
+    assert clean["raw"]["offsets"] == {"in/0": [1, count]} and clean["raw"]["rows"] == count - len(letters)
+    windows = _checks_of(clean["agg"])["windows"]["details"]
+    assert windows["checked"] == windows["closed"] > 0 and windows["open"] > 0
+    assert windows["pending"] == windows["open"] and windows["waiting_for_raw"] == 0
+    assert "'minutely', committed into 'agg'" in windows["watermark_from"]
+    watermark = datetime.fromisoformat(windows["watermark"])
+    agg = DeltaTable(agg_path).to_pyarrow_table()
+    ends = agg.column("window_end").to_pylist()
+    assert windows["open"] == sum(e > watermark for e in ends) and windows["closed"] == sum(e <= watermark for e in ends)
+    assert all(datetime.fromisoformat(w["window_end"]) > watermark for w in windows["pending_samples"])
+    page = reports.report_path(data_dir, "logs", "raw", clean["raw"]["docs"]).read_text()
     assert "expect_column_values_to_be_between" in page or "values must be greater than" in page
     assert not docs.REMOTE_RESOURCE.search(page)
     for ref in re.findall(r'(?:href|src)="(\.\./\.\./_static/[^"]+)"', page):
         assert (reports.report_path(data_dir, "logs", "raw") / ref).resolve().exists(), ref
 
+    # ---- the offline proof from the table alone: every commit is isbflow's, every claimed offset held once
+    proof = verify_table(raw_path)
+    assert proof.ok, proof.problems()
+    assert proof.proven == proof.claimed == {"in/0": ledger.difference(
+        [[1, count]], ledger.dead_letter_ranges(letters)["in/0"])}
+
     # ---- inject bad data with deltalake
     raw = DeltaTable(raw_path)
-    ids = raw.to_pyarrow_table().column("_isb_id").to_pylist()
-    dup_ids, null_ids, neg_ids = ids[100:103], ids[200:204], ids[300:302]
     table = raw.to_pyarrow_table()
-    dups = table.filter(pa.compute.is_in(table.column("_isb_id"), pa.array(dup_ids)))
-    write_deltalake(raw_path, dups, mode="append")
+    ids = table.column("_isb_id").to_pylist()
+    dup_ids, null_ids, neg_ids = ids[100:117], ids[200:204], ids[300:302]
+    # a row of a closed window of another service than the one edited below: its window recounts one short
+    touched = {*dup_ids, *null_ids, *neg_ids}
+    lost_row = next(r for r in table.to_pylist() if r["service"] != "checkout" and r["_isb_id"] not in touched
+                    and r["ts"].replace(second=0, microsecond=0) + timedelta(minutes=1) <= watermark)
+    lost = lost_row["_isb_id"]
+    lost_ws = lost_row["ts"].replace(second=0, microsecond=0)
+    write_deltalake(raw_path, table.filter(pa.compute.is_in(table.column("_isb_id"), pa.array(dup_ids))),
+                    mode="append")  # 17 rows twice
+    DeltaTable(raw_path).delete(f"_isb_id = '{lost}'")
     DeltaTable(raw_path).update(updates={"host": "NULL"},
                                 predicate="_isb_id IN (" + ", ".join(f"'{i}'" for i in null_ids) + ")")
     DeltaTable(raw_path).update(updates={"latency_ms": "-5.0"},
                                 predicate="_isb_id IN (" + ", ".join(f"'{i}'" for i in neg_ids) + ")")
-    agg = DeltaTable(agg_path).to_pyarrow_table()
-    first = min(agg.column("window_start").to_pylist())
-    late = agg.slice(0, 1).to_pylist()[0]
-    late.update(window_start=first - timedelta(minutes=10), window_end=first - timedelta(minutes=9),
-                service="checkout", count=3)
-    write_deltalake(agg_path, pa.Table.from_pylist([late], schema=agg.schema), mode="append")
+    rows = agg.to_pylist()
+    closed = min((r for r in rows if r["window_end"] <= watermark and r["service"] == "checkout"),
+                 key=lambda r: r["window_start"])
+    closed["count"] += 5  # a closed window with a wrong count
+    first = min(r["window_start"] for r in rows)
+    late = {**rows[0], "window_start": first - timedelta(minutes=10), "window_end": first - timedelta(minutes=9),
+            "service": "checkout", "count": 3}  # a window no raw record makes
+    write_deltalake(agg_path, pa.Table.from_pylist([*rows, late], schema=agg.schema), mode="overwrite")
 
-    later = now + timedelta(seconds=1)
-    bad = {s: run_quality(spark, p, s, data_dir, dead_letters=letters, schema=schemas[s], now=later)
-           for s in ("raw", "agg")}
+    basis = read_ledger_basis(settings, p, data_dir, wait_s=5)
+    later = datetime.now(UTC)
+    bad = {s: run_quality(spark, p, s, data_dir, basis=basis, schema=schemas[s], now=later) for s in ("raw", "agg")}
     raw_failed = {k: c for k, c in _by_name(bad["raw"]).items() if not c.success}
     assert {k: c.unexpected_count for k, c in raw_failed.items()} == {
-        "uniqueness": 6,  # GX counts every row of a duplicated value: 3 ids twice
+        "completeness": 1,  # the deleted row: the ledger says the sink committed it
+        "uniqueness": 17,  # surplus rows (GX counts every row of a repeated id: 34)
         "expect_column_values_to_not_be_null:host": 4,
         "expect_column_values_to_be_between:latency_ms": 2,
     }
-    assert sorted(set(raw_failed["uniqueness"].samples)) == sorted(dup_ids)
+    assert raw_failed["completeness"].samples == [lost]
+    assert raw_failed["completeness"].details["in_flight"]["count"] == flying  # still not a failure
+    assert raw_failed["uniqueness"].details["unexpected_rows"] == 34
+    assert set(raw_failed["uniqueness"].samples) <= set(dup_ids)
     assert raw_failed["expect_column_values_to_be_between:latency_ms"].samples == [-5.0, -5.0]
     assert bad["raw"].gate_failed and bad["raw"].table_version == DeltaTable(raw_path).version()
     agg_failed = [c for c in bad["agg"].checks if not c.success]
-    assert [(c.name, c.unexpected_count) for c in agg_failed] == [("windows", 1)]
-    assert agg_failed[0].samples[0]["recomputed"] == 0 and agg_failed[0].samples[0]["count"] == 3
+    assert [(c.name, c.unexpected_count) for c in agg_failed] == [("windows", 3)]
+    found = {(m["window_start"], m["service"]): (m["count"], m["recomputed"]) for m in agg_failed[0].samples}
+    n = closed["count"]
+    held = next(r["count"] for r in rows if r["window_start"] == lost_ws and r["service"] == lost_row["service"])
+    assert lost_ws + timedelta(minutes=1) <= watermark
+    assert found == {(late["window_start"].isoformat(), "checkout"): (3, 0),
+                     (closed["window_start"].isoformat(), "checkout"): (n, n - 5),
+                     (lost_ws.isoformat(), lost_row["service"]): (held, held - 1)}
+    assert agg_failed[0].details["pending"] == windows["pending"]  # the open windows: pending, not failed
     assert not bad["agg"].gate_failed  # agg's gate is warn
 
-    stored = reports.list_reports(data_dir, "logs", "raw")
-    assert [r["run_id"] for r in stored] == [bad["raw"].run_id, clean["raw"].run_id]
-    assert {f["name"] for f in stored[0]["failures"]} == {"uniqueness", "expect_column_values_to_not_be_null",
-                                                          "expect_column_values_to_be_between"}
+    proof = verify_table(raw_path)
+    assert not proof.ok and proof.missing == {"in/0": [[int(lost.rpartition("/")[2])] * 2]}
+    assert proof.surplus_rows == 17 and ledger.count(proof.duplicated["in/0"]) == 17
+    assert [c.operation for c in proof.foreign] == ["WRITE", "DELETE", "UPDATE", "UPDATE"]
 
-    # ---- the CLI: fail gate -> exit 1; warn gate -> exit 0; reports listed
-    cli = CliRunner()
-    args = ["quality", "run", "-f", str(LOGS), "--data-dir", str(data_dir), "--json"]
-    result = cli.invoke(_cli(), [*args, "--sink", "raw"])
+    # ---- without the ISB service: the sink basis, said clearly; the fail gate exits 1
+    result = cli.invoke(_cli(), [*args, "--sink", "raw", "--nats-url", "nats://127.0.0.1:9"])
     assert result.exit_code == 1, result.output
-    out = json.loads(result.stdout)[0]
-    assert out["gate_failed"] is True
-    # the real clock is far past the injected one: raw keeps 30 days, so both earlier runs go, named
-    assert sorted(out["pruned"]) == sorted([clean["raw"].run_id, bad["raw"].run_id])
-    result = cli.invoke(_cli(), [*args, "--sink", "agg"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)[0]["success"] is False
+    assert "FALLS BACK to the sink basis" in result.stderr
+    fallback = _checks_of(json.loads(result.stdout)[0])["completeness"]
+    assert fallback["details"]["basis"] == "SinkOffsetBasis" and "unreachable" in fallback["details"]["basis_note"]
+    assert set(fallback["samples"]) <= letters | {lost}  # dead letters are unknown to it: holes
+
     result = cli.invoke(_cli(), ["quality", "reports", "-f", str(LOGS), "--data-dir", str(data_dir), "--json"])
     assert result.exit_code == 0
     listed = json.loads(result.stdout)
-    assert [r["run_id"] for r in listed if r["sink"] == "raw"] == [out["run_id"]]
-    assert len([r for r in listed if r["sink"] == "agg"]) == 3  # agg has no age limit
+    assert [r["run_id"] for r in listed if r["sink"] == "raw"][1:] == [bad["raw"].run_id, clean["raw"]["run_id"]]
+    assert {f["name"] for f in listed[0]["failures"]} == {"completeness", "uniqueness",
+                                                          "expect_column_values_to_not_be_null",
+                                                          "expect_column_values_to_be_between"}
+    assert len([r for r in listed if r["sink"] == "agg"]) == 2

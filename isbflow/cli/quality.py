@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -24,13 +25,15 @@ from isbflow.cli.common import (
     load_or_exit,
     pipeline_or_exit,
     print_json,
-    settings_or_exit,
 )
 
 app = typer.Typer(help="Data quality of the sinks: GX suites, built-in checks, reports, gates.",
                   no_args_is_help=True)
 SinkOpt = Annotated[list[str] | None, typer.Option("--sink", "-s", help="Sink vertex (repeat; default: all sinks).")]
 MasterOpt = Annotated[str, typer.Option(help="Spark master, e.g. local[2].")]
+WaitOpt = Annotated[float, typer.Option(
+    "--wait", help="Seconds a running step gets to commit what its input buffers hold, for the committed "
+                   "low watermark completeness is judged against.")]
 
 
 def _sinks(p, wanted: list[str] | None) -> list[str]:
@@ -59,29 +62,41 @@ def check(file: SpecFile, json_out: JsonOut = False) -> None:
 
 @app.command("run")
 def run_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = None, data_dir: DataDir = None,
-            nats_url: NatsUrl = None, master: MasterOpt = "local[2]", json_out: JsonOut = False) -> None:
+            nats_url: NatsUrl = None, master: MasterOpt = "local[2]", wait: WaitOpt = 30.0,
+            json_out: JsonOut = False) -> None:
     """Check the sinks' current Delta versions now; store a report per sink.
 
-    Needs the ISB service (dead letters for completeness, reference tables for
-    the expected schema). Exit 1 when a 'fail' gate fails.
+    Completeness is judged on the offset ledger: per source partition the sink must
+    hold every offset up to the committed low watermark (what every step from the
+    source to the sink has committed) and every offset the ledger records, minus dead
+    letters; records past it are in flight, listed, never a failure. Windows are
+    recounted once closed. Without the ISB service it falls back to the sink's own ids
+    and says so. Exit 1 when a 'fail' gate fails.
     """
     from isbflow.ops import quality as ops_quality  # imports Spark: only this command needs it
+    from isbflow.ops.connection import resolve_settings
     from isbflow.ops.spark import SparkOnDemand
 
     specs, p = pipeline_or_exit(file, pipeline)
     names = _sinks(p, sink)
-    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     dd = data_dir_or_default(data_dir)
+    try:
+        settings = resolve_settings(nats_url, dd, specs.service_for(p))
+    except ops_quality.Unreachable as e:  # no embedded server state: judged without the ISB service (said below)
+        err_console.print(f"[yellow]{e}[/]", highlight=False)
+        settings = None
     with SparkOnDemand(master, f"isbflow-quality-{p.name}", log_level="ERROR") as spark_for:
         try:
-            reports = ops_quality.check_sinks(
-                spark_for(), specs, p, settings, dd, names,
+            run = ops_quality.check_sinks(
+                spark_for(), specs, p, settings, dd, names, wait_s=wait,
+                on_note=lambda note: err_console.print(f"[yellow]{note}[/]", highlight=False),
                 on_schema_unknown=lambda name, why: err_console.print(
-                    f"sink {name}: expected schema unknown ({why}); schema check skipped")).reports
+                    f"sink {name}: expected schema unknown ({why}); schema check skipped"))
         except ops_quality.QualityError as e:
             fail(str(e))
         except ops_quality.Unreachable as e:
             fail(str(e))
+    reports = run.reports
     if json_out:
         print_json([r.to_dict() for r in reports])
     else:
@@ -100,10 +115,73 @@ def _print_report(r: dict) -> None:
         console.print(f"  {f['name']}: {f['unexpected_count']} unexpected, e.g. {f['samples'][:3]}",
                       markup=False, highlight=False)
     for c in r["checks"]:
-        if c.get("skipped"):
-            console.print(f"  {c['name']}: skipped ({c['skipped']})", markup=False, highlight=False)
+        for line in _check_lines(c):
+            console.print(f"  {line}", markup=False, highlight=False)
     if r.get("pruned"):
         console.print(f"  pruned {len(r['pruned'])} old report(s): {', '.join(r['pruned'])}")
+
+
+def _check_lines(c: dict) -> list[str]:
+    """What a check says beyond pass/fail: why it was skipped, the proven ranges and what is in flight,
+    the pending windows."""
+    if c.get("skipped"):
+        return [f"{c['name']}: skipped ({c['skipped']})"]
+    d = c.get("details") or {}
+    if c["name"] == "completeness" and d.get("basis") == "ledger":
+        lines = []
+        for part, v in d.get("partitions", {}).items():
+            proven = ", ".join(f"{a}..{b}" for a, b in v["proven"]) or "nothing"
+            dead = f", {v['dead_lettered']} of them dead-lettered" if v.get("dead_lettered") else ""
+            line = f"completeness {part}: proven {proven} ({v['watermark_from']}{dead})"
+            fly = v["in_flight"]
+            if fly["count"]:
+                age = "" if fly["oldest_age_s"] is None else f", the oldest {fly['oldest_age_s']:.0f}s old"
+                line += f"; {fly['count']} in flight from {part}/{fly['oldest']}{age}"
+            lines.append(line)
+        return lines
+    if c["name"] == "completeness" and d.get("basis_note"):
+        return [f"completeness: sink basis ({d['basis_note']})"]
+    if c["name"] == "windows" and d.get("pending"):
+        return [f"windows: {d.get('checked', 0)} of {d.get('closed', 0)} closed window(s) recounted; "
+                f"{d['pending']} pending ({d.get('open', 0)} open, {d.get('waiting_for_raw', 0)} waiting for raw "
+                f"records in flight); watermark {d.get('watermark')} ({d.get('watermark_from')})"]
+    return []
+
+
+@app.command("verify")
+def verify_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = None, data_dir: DataDir = None,
+               json_out: JsonOut = False) -> None:
+    """Prove from each sink's Delta table alone (no ISB service) which source ranges it holds completely
+    and exactly once.
+
+    The claim is what isbflow's commits recorded (their isb.offsets); the proof fails, naming
+    the ranges, on offsets claimed but not held (rows deleted), held but never claimed, held
+    twice, and on any commit made outside isbflow. Sinks without _isb_id are not verified.
+    Exit 1 when a sink fails, 2 on a bad spec or sink.
+    """
+    from isbflow.ops.quality import verify_sinks
+
+    _, p = pipeline_or_exit(file, pipeline)
+    results = verify_sinks(p, data_dir_or_default(data_dir), _sinks(p, sink))
+    if json_out:
+        print_json([r.to_json() for r in results])
+    else:
+        for r in results:
+            v = r.verification
+            if v is None:
+                console.print(f"{r.sink}: not verified ({r.skipped})", markup=False, highlight=False)
+                continue
+            proven = "; ".join(f"{part} " + ", ".join(f"{a}..{b}" for a, b in rs[:5])
+                               + (f" and {len(rs) - 5} more" if len(rs) > 5 else "")
+                               for part, rs in v.proven.items()) or "nothing"
+            verdict = "[green]proven[/]" if v.ok else "[red]FAILED[/]"
+            console.print(f"{r.sink}: {verdict} (table v{v.version}, {v.rows} rows, {v.commits} commits)")
+            console.print(f"  held completely and exactly once: {proven}", markup=False, highlight=False)
+            for line in v.problems():
+                console.print(f"  {line}", markup=False, highlight=False)
+    code = 1 if any(not r.ok for r in results) else 0
+    sys.stdout.flush()
+    raise typer.Exit(code)
 
 
 @app.command("reports")

@@ -181,3 +181,189 @@ def low_offsets(sinks: Mapping[str, PartitionRanges], partitions: Iterable[str],
             per[sink] = first_gap(covered, start)
         out[part] = LowOffset(part, min(per.values(), default=start), per)
     return out
+
+
+# ------------------------------------------------------------------ what a sink must hold
+
+
+def difference(a: Ranges, b: Ranges) -> Ranges:
+    """The sequences of ``a`` that ``b`` does not cover (both sorted and merged): one sweep."""
+    out: Ranges = []
+    j = 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] < lo:
+            j += 1
+        k, start = j, lo
+        while k < len(b) and b[k][0] <= hi:
+            if b[k][0] > start:
+                out.append([start, b[k][0] - 1])
+            start = max(start, b[k][1] + 1)
+            k += 1
+        if start <= hi:
+            out.append([start, hi])
+    return out
+
+
+def first_of(ranges: Ranges, n: int) -> list[int]:
+    """The first ``n`` sequences ``ranges`` cover."""
+    out: list[int] = []
+    for lo, hi in ranges:
+        out.extend(range(lo, min(hi, lo + n - len(out) - 1) + 1))
+        if len(out) >= n:
+            break
+    return out
+
+
+def dead_letter_ranges(origins: Iterable[str | None]) -> PartitionRanges:
+    """Per source partition, the sequences of dead-lettered records (their ``origin`` ids)."""
+    import pyarrow as pa
+
+    return id_ranges(pa.array([o for o in origins if o], pa.string()))
+
+
+def delta_history_until(path: str, version: int | None) -> PartitionRanges:
+    """:func:`from_delta_history` of the commits up to ``version`` (all when None)."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        history = DeltaTable(path).history()
+    except TableNotFoundError:
+        return {}
+    return union(*(from_metadata(h.get(OFFSETS_KEY)) for h in history
+                   if version is None or int(h.get("version", 0)) <= version))
+
+
+def sink_ranges(kv: Mapping[str, PartitionRanges], sink: str, path: str | None,
+                version: int | None = None) -> PartitionRanges:
+    """What the ledger says sink ``sink`` committed: its KV ranges united with its Delta history's
+    (up to table version ``version``)."""
+    return union(kv.get(sink, {}), delta_history_until(path, version) if path else {})
+
+
+# ------------------------------------------------------------------ the committed low watermark
+
+#: a step whose heartbeat is older than this is not running: nobody will move its committed offsets
+LIVE_HEARTBEAT_S = 30.0
+
+
+@dataclass(frozen=True)
+class StepBehind:
+    """Why a walk stopped at ``vertex``: its committed offsets below what its inputs held (stream ->
+    (committed, needed)), or another reason."""
+
+    vertex: str
+    reason: str
+    streams: dict[str, tuple[int, int]]
+
+    def to_json(self) -> dict:
+        return {"vertex": self.vertex, "reason": self.reason,
+                "streams": {s: {"committed": c, "needed": n} for s, (c, n) in self.streams.items()}}
+
+
+@dataclass(frozen=True)
+class CommittedWatermark:
+    """Of one sink: the source offsets every step from the source to the sink has committed.
+
+    ``committed``: per source partition (``<source>/0``), the offset the source step had
+    committed when the walk started. ``confirmed``: every step after it, in topological
+    order, was then seen to have committed at least what its input buffers held once the
+    step before it was confirmed, so every record up to ``committed`` has passed every
+    step and is in the sink. Otherwise ``behind`` names the first step that had not, and
+    ``committed`` proves nothing. ``marks``: what ``on_confirmed`` returned per step.
+    """
+
+    sink: str
+    committed: dict[str, int]
+    confirmed: bool
+    behind: StepBehind | None = None
+    steps: tuple[str, ...] = ()
+    marks: dict[str, object] | None = None
+
+    def to_json(self) -> dict:
+        return {"sink": self.sink, "committed": self.committed, "confirmed": self.confirmed,
+                "behind": self.behind.to_json() if self.behind else None, "steps": list(self.steps)}
+
+
+async def committed_watermarks(nc, p, sinks: Iterable[str], *, wait_s: float = 30.0, poll_s: float = 0.5,
+                               on_confirmed=None) -> dict[str, CommittedWatermark]:
+    """Per sink of pipeline ``p`` (a :class:`~isbflow.spec.models.Pipeline`), its :class:`CommittedWatermark`.
+
+    The walk reads each JetStream source step's committed source offset first, then,
+    step by step in topological order, the last sequences of a step's input buffers
+    (only once every step before it is confirmed) and waits until the step's committed
+    offsets (``committed.<vertex>.<stream>``, :mod:`isbflow.isb.state`) reach them:
+    then everything the source step had committed has passed this step too. A running
+    step gets at most ``wait_s`` seconds to get there (one or two micro-batches); a step
+    whose heartbeat says it does not run is judged at once. Files sources keep no
+    committed source offset: their sinks are never confirmed. ``on_confirmed(vertex)``
+    runs as each step is confirmed (before the next step's buffers are read); its
+    result lands in ``marks``.
+    """
+    from isbflow.isb import state as st
+
+    sinks = list(sinks)
+    chains = {s: p.ancestors(s) | {s} for s in sinks}
+    order = [v for v in p.topological_order() if any(v in c for c in chains.values())]
+    start: dict[str, dict[str, int]] = {}
+    confirmed: set[str] = set()
+    behind: dict[str, StepBehind] = {}
+    marks: dict[str, object] = {}
+    for v in order:
+        vertex = p.vertex(v)
+        if vertex.source is not None:
+            if vertex.source.jetstream is None:
+                behind[v] = StepBehind(v, "a files source keeps no committed source offset", {})
+                continue
+            stream = naming.source_stream(p, v)
+            start[v] = {f"{v}/0": await st.get_committed(nc, p.name, v, stream) or 0}
+        else:
+            ups = sorted({e.from_ for e in p.inputs(v)} - confirmed)
+            if ups:
+                behind[v] = behind.get(ups[0]) or StepBehind(v, f"step {ups[0]!r} is not confirmed", {})
+                continue
+            lag = await _catch_up(nc, p, v, wait_s, poll_s)
+            if lag is not None:
+                behind[v] = lag
+                continue
+        confirmed.add(v)
+        if on_confirmed is not None:
+            marks[v] = on_confirmed(v)
+    out = {}
+    for s in sinks:
+        steps = tuple(v for v in order if v in chains[s])
+        committed = {part: seq for v in steps if v in start for part, seq in start[v].items()}
+        first = next((behind[v] for v in steps if v in behind), None)
+        out[s] = CommittedWatermark(s, committed, first is None, first, steps,
+                                    {v: marks[v] for v in steps if v in marks})
+    return out
+
+
+async def _catch_up(nc, p, vertex: str, wait_s: float, poll_s: float) -> StepBehind | None:
+    """Wait until ``vertex`` has committed what its input buffers hold now; None when it has."""
+    import asyncio
+
+    from isbflow.isb import state as st
+    from isbflow.isb.read import stream_state
+
+    streams = [ep.stream for ep in naming.edge_partitions(p) if ep.to_vertex == vertex]
+    needed: dict[str, int] = {}
+    for s in streams:
+        info = await stream_state(nc, s)
+        if info is None:
+            return StepBehind(vertex, f"its input buffer {s} does not exist", {})
+        needed[s] = info.last_seq
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = {s: await st.get_committed(nc, p.name, vertex, s) or 0 for s in streams}
+        lag = {s: (got[s], n) for s, n in needed.items() if got[s] < n}
+        if not lag:
+            return None
+        status = await st.get_status(nc, p.name, vertex)
+        live = (status is not None and status.age() < LIVE_HEARTBEAT_S
+                and status.state in (st.Observed.STARTING, st.Observed.RUNNING, st.Observed.DRAINING))
+        if not live:
+            return StepBehind(vertex, "it has not committed what its input buffers hold and is not running", lag)
+        if time.monotonic() >= deadline:
+            return StepBehind(vertex, f"it was still behind its input buffers after {wait_s:g}s", lag)
+        await asyncio.sleep(poll_s)

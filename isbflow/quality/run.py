@@ -8,10 +8,14 @@ the report and its Data Docs page, prunes by the sink's retention and returns
 the :class:`QualityReport`. ``report.gate_failed`` is true when the run failed
 and the sink's gate is ``onFailure: fail`` (a ``warn`` gate never fails).
 
-The caller brings what needs the ISB service: the dead-lettered ids (for
-completeness; :func:`dead_letter_ids` reads them) and the expected schema
-(the upstream step's output, :func:`expected_schema`). Without an expected
-schema the schema check is reported as skipped.
+The caller brings what needs the ISB service: the completeness basis (a
+:class:`~isbflow.quality.basis.LedgerBasis`, read by
+:func:`~isbflow.quality.basis.read_ledger_basis`: the offset ledger, dead letters
+and committed low watermarks; or, without the service, the sink's own ids
+minus the dead-lettered ids :func:`dead_letter_ids` reads) and the expected
+schema (the upstream step's output, :func:`expected_schema`). Without an
+expected schema the schema check is reported as skipped. The built-in
+uniqueness counts surplus rows (rows less distinct ids).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.quality import checks, docs, gx, reports
+from isbflow.quality.basis import LedgerBasis, ledger_closure, offline_closure
 from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
 from isbflow.quality.errors import QualityError
 from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
@@ -113,13 +118,16 @@ def quality_of(pipeline: Pipeline, sink: str) -> SinkQuality:
 
 
 def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
-                dead_letters: Iterable[str] = (), basis: OffsetBasis | None = None,
+                dead_letters: Iterable[str] = (), basis: LedgerBasis | OffsetBasis | None = None,
                 schema=None, now: datetime | None = None, raw_sink: str | None = None,
                 window_sample: int = 200) -> QualityReport:
     """Check sink ``sink`` of ``pipeline`` now; store and return the report.
 
-    ``dead_letters``: dead-lettered ids for the default completeness basis;
-    ``basis`` replaces that basis (e.g. the offset ledger); ``schema``: the
+    ``dead_letters``: dead-lettered ids for the default completeness basis (the
+    sink's own ids); ``basis`` replaces it: a :class:`~isbflow.quality.basis.LedgerBasis`
+    (:func:`~isbflow.quality.basis.read_ledger_basis`: completeness on the offset
+    ledger, windows closed by a committed watermark) or another
+    :class:`~isbflow.quality.checks.OffsetBasis`; ``schema``: the
     expected Spark schema (None: skipped); ``now``: the clock for freshness
     and the run id (tests inject it); ``raw_sink``: the raw sink aggregate
     windows are recomputed from (default: found from the graph).
@@ -151,10 +159,20 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     results: list[CheckResult] = []
     offsets: dict[str, Any] | None = None
     offsets_from: str | None = None
+    ledger_basis = basis if isinstance(basis, LedgerBasis) else None
     if kind == "raw":
-        observed = checks.offset_ranges(df)
-        results.append(checks.completeness(df, basis or SinkOffsetBasis(frozenset(dead_letters)), observed))
-        offsets, offsets_from = {s: [lo, hi] for s, (lo, hi, _) in sorted(observed.items())}, "sink ids"
+        if ledger_basis is not None:
+            verdicts, malformed = _judge(ledger_basis, sink, path, df, version)
+            result = checks.ledger_completeness(verdicts, malformed, now, ledger_basis.stored_at,
+                                                ledger_basis.watermarks.get(sink))
+            offsets = result.details["ranges"]
+            offsets_from = "the offset ledger: per source partition, first offset .. committed low watermark"
+        else:
+            observed = checks.offset_ranges(df)
+            result = checks.completeness(df, basis or SinkOffsetBasis(frozenset(dead_letters)), observed)
+            offsets, offsets_from = {s: [lo, hi] for s, (lo, hi, _) in sorted(observed.items())}, "sink ids"
+        results.append(result)
+        _count_surplus_rows(df, outcome.results)
     else:
         results.append(checks.skipped("completeness", f"the sink has no {ID_COLUMN} column"))
     results.insert(0, checks.schema_check(df.schema, schema))
@@ -164,10 +182,22 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
         if raw_name is None:
             results.append(checks.skipped("windows", "no raw sink shares an upstream step with this one"))
         else:
-            raw_df, _, _ = _sink_table(read_version, spark, sink_table_path(pipeline, raw_name, data_dir))
-            results.append(checks.window_recompute(df, raw_df, sample=window_sample))
-            offsets = {s: [lo, hi] for s, (lo, hi, _) in sorted(checks.offset_ranges(raw_df).items())}
-            offsets_from = f"raw sink {raw_name!r} ids (what the windows were recomputed from)"
+            raw_path = sink_table_path(pipeline, raw_name, data_dir)
+            raw_df, raw_version, _ = _sink_table(read_version, spark, raw_path)
+            if ledger_basis is not None:
+                verdicts, _ = _judge(ledger_basis, raw_name, raw_path, raw_df, raw_version)
+                # only records the source step has committed (now, after both tables were read) can be in
+                # an aggregate already: those of them the raw sink lacks may make a recount fall short
+                upstream = checks.in_flight_upto(verdicts, ledger_basis.source_committed())
+                closure = ledger_closure(ledger_basis, pipeline, sink, data_dir, upstream)
+                offsets = {v.partition: [v.source[0], v.watermark] for v in verdicts if v.source}
+                offsets_from = (f"raw sink {raw_name!r} (what the windows were recomputed from): "
+                                "first offset .. committed low watermark")
+            else:
+                closure = offline_closure(pipeline, sink, data_dir)
+                offsets = {s: [lo, hi] for s, (lo, hi, _) in sorted(checks.offset_ranges(raw_df).items())}
+                offsets_from = f"raw sink {raw_name!r} ids (what the windows were recomputed from)"
+            results.append(checks.window_recompute(df, raw_df, sample=window_sample, closure=closure))
     timings["builtin_s"] = time.perf_counter() - t
     df.unpersist()
 
@@ -195,6 +225,23 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
             "passed" if report.success else f"FAILED, gate {report.gate}", len(report.failures),
             f", pruned {len(report.pruned)} old report(s)" if report.pruned else "")
     return report
+
+
+def _judge(basis: LedgerBasis, sink: str, path: str, df, version: int):
+    sources = {part: (src.first, src.last) for part, src in basis.sources.items()}
+    return checks.judge_sink(df, basis.held(sink, path, version), basis.dead, sources, basis.watermarks.get(sink))
+
+
+def _count_surplus_rows(df, gx_results: list[CheckResult]) -> None:
+    """The built-in uniqueness counts surplus rows (17 copies: 17), not every row of a repeated id
+    as GX does (34); GX's count stays in its details."""
+    check = next((r for r in gx_results if r.origin == "builtin" and r.name == "uniqueness"), None)
+    if check is None or check.success:
+        return
+    extra, ids, samples = checks.duplicate_ids(df)
+    check.details.update(unexpected_rows=check.unexpected_count, surplus_rows=extra, duplicated_ids=ids)
+    check.unexpected_count = extra
+    check.samples = check.samples or samples
 
 
 def _commit_offsets(commit: dict[str, Any]) -> dict[str, Any] | None:
