@@ -15,14 +15,15 @@ from isbflow.cli.common import (
     NatsUrl,
     PipelineName,
     SpecFile,
+    call,
     console,
     data_dir_or_default,
     fail,
     pipeline_or_exit,
     print_json,
-    run,
     settings_or_exit,
 )
+from isbflow.ops import pipeline as ops
 
 app = typer.Typer(help="Run, drain and watch a pipeline's Spark steps.", no_args_is_help=True)
 step_app = typer.Typer(help="Run one step of a pipeline.", no_args_is_help=True)
@@ -44,38 +45,22 @@ MetricsPortOpt = Annotated[int, typer.Option(
 
 
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0):
-    from isbflow.steps.runner import PipelineRunner, StepError, spark_session
-
     specs, p = pipeline_or_exit(files, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
-    dd = data_dir_or_default(data_dir)
-    spark = spark_session(master, app_name=f"isbflow-{p.name}")
-    spark.sparkContext.setLogLevel("WARN")
-    runner = PipelineRunner(spark, specs, p, settings, dd)
-    metrics = None
-    if metrics_port:
-        from isbflow.steps.metrics import serve
-
-        metrics = serve(runner, metrics_port, dd, key=p.name + (f".{steps[0]}" if steps else ""))
-        if not json_out:
-            console.print(f"metrics on {metrics.url}")
+    available_now = trigger == Trigger.AVAILABLE_NOW
+    if not json_out and not available_now:
+        console.print(f"pipeline {p.name} running (Ctrl-C stops; 'isbflow pipeline drain' drains)")
     started = time.time()
     try:
-        if trigger == Trigger.AVAILABLE_NOW:
-            out = runner.run_available_now(steps, on_step=None if json_out else lambda v, s: console.print(
-                f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"))
-        else:
-            if not json_out:
-                console.print(f"pipeline {p.name} running (Ctrl-C stops; 'isbflow pipeline drain' drains)")
-            out = runner.run_continuous(steps)
-    except StepError as e:
+        out = call(ops.run_here, specs, p, settings, data_dir_or_default(data_dir), master=master,
+                   available_now=available_now, steps=steps, metrics_port=metrics_port,
+                   on_step=None if json_out else lambda v, s: console.print(
+                       f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"),
+                   on_metrics=None if json_out else lambda url: console.print(f"metrics on {url}"))
+    except ops.PipelineError as e:
         fail(str(e))
     except KeyboardInterrupt:
         out = {}
-    finally:
-        runner.close()
-        if metrics is not None:
-            metrics.close()
     if json_out:
         print_json({"pipeline": p.name, "seconds": round(time.time() - started, 3),
                     "steps": {v: s.to_json() for v, s in out.items()}})
@@ -133,22 +118,11 @@ def drain(
     """Drain a running pipeline: upstream steps first, each downstream step once its inputs are
     consumed; returns when every step reports drained, with its final offsets.
     """
-    from isbflow.isb.connect import connect
-    from isbflow.steps.drain import DrainTimeout, drain_pipeline
-
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
-
-    async def go():
-        nc = await connect(settings)
-        try:
-            return await drain_pipeline(nc, p, timeout=timeout)
-        finally:
-            await nc.close()
-
     try:
-        out = run(go())
-    except DrainTimeout as e:
+        out = call(ops.drain, settings, p, timeout=timeout)
+    except ops.DrainTimeout as e:
         fail(str(e))
     if json_out:
         print_json({"pipeline": p.name, "steps": {v: s.to_json() for v, s in out.items()}})
@@ -166,27 +140,12 @@ def status(
     json_out: JsonOut = False,
 ) -> None:
     """Each step's state, batch, committed offsets, lag, rates and dead-letter count."""
-    from isbflow.isb.connect import connect
-    from isbflow.isb.state import all_status, get_desired
-    from isbflow.recovery.status import last_recovery, recovery_line
-
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
-    order = p.topological_order()
-
-    async def go():
-        nc = await connect(settings)
-        try:
-            return (await all_status(nc, p.name, order), {v: await get_desired(nc, p.name, v) for v in order},
-                    await last_recovery(nc, p.name))
-        finally:
-            await nc.close()
-
-    statuses, desired, recovery = run(go())
+    st = call(ops.status, settings, p)
+    statuses, desired, recovery = st.statuses, st.desired, st.recovery
     if json_out:
-        print_json({"pipeline": p.name, "steps": {
-            v: {"desired": desired[v].value, **(s.to_json() if s else {"state": "unknown"})}
-            for v, s in statuses.items()}, "recovery": recovery})
+        print_json(st.to_json(p.name))
         return
     t = Table("step", "desired", "state", "batch", "lag (msgs)", "in rows/s", "done rows/s", "dlq", "heartbeat")
     for v, s in statuses.items():
@@ -198,7 +157,7 @@ def status(
                   f"{s.age():.0f}s ago")
     console.print(t)
     if recovery:
-        console.print(recovery_line(recovery), markup=False, highlight=False)
+        console.print(ops.recovery_line(recovery), markup=False, highlight=False)
 
 
 def register(root: typer.Typer) -> None:

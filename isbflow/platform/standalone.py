@@ -29,7 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from isbflow.isb.server import free_port, pid_alive
+from isbflow.ops.nats import free_port
+from isbflow.ops.processes import process_alive as pid_alive
 
 HOST = "127.0.0.1"
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"

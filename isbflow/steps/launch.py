@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,11 +315,13 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
                     master: str = "local[2]", pipeline: str | None = None,
                     steps: Sequence[str] | None = None, workdir: str | Path | None = None,
                     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                    startup_grace: float = DEFAULT_STARTUP_GRACE) -> LaunchRecord:
+                    startup_grace: float = DEFAULT_STARTUP_GRACE,
+                    extra_env: Mapping[str, str] | None = None) -> LaunchRecord:
     """Start the pipeline's steps (all, or one) continuously in a detached driver; see the module doc.
 
     ``workdir`` is the driver's working directory and is put on its ``PYTHONPATH``
-    (where the user's transforms, e.g. ``spark_apps/``, import from). Reads the
+    (where the user's transforms, e.g. ``spark_apps/``, import from); ``extra_env`` adds to its
+    environment (the local platform's marker). Reads the
     step heartbeats from the ISB service to judge an existing launch; raises
     :class:`isbflow.isb.connect.IsbUnreachable` when it cannot.
     """
@@ -334,7 +336,8 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
         statuses = asyncio.run(read_statuses(settings, p.name, p.topological_order()))
     command = driver_command(spec_file, data_dir=data_dir, trigger="continuous", master=master,
                              pipeline=p.name, steps=steps)
-    return launch(key, p.name, command, data_dir=data_dir, env=driver_env(settings, data_dir, workdir),
+    env = driver_env(settings, data_dir, workdir, base={**os.environ, **(extra_env or {})})
+    return launch(key, p.name, command, data_dir=data_dir, env=env,
                   spec=Path(spec_file).absolute(), master=master, steps=steps, workdir=workdir,
                   statuses=statuses, heartbeat_timeout=heartbeat_timeout, startup_grace=startup_grace)
 

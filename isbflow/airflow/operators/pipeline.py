@@ -1,15 +1,18 @@
 """Operators that start, drain and batch-run a pipeline's Spark steps.
 
+Each calls its verb of :mod:`isbflow.ops.pipeline` (imported when the task
+runs: parsing a DAG file stays light).
+
 - :class:`PipelineStartOperator` prepares the pipeline (provisions its buffers
   when asked, puts its reference tables, sets every step's desired state to
   ``running``) and launches the continuous driver detached
-  (:func:`isbflow.steps.launch.launch_pipeline`). The task ends at once: no
+  (:func:`isbflow.ops.pipeline.start`). The task ends at once: no
   worker slot is held for the life of the stream. A retried or re-triggered
   task finds the live launch and returns it instead of starting a second
   driver. XCom: the launch record. Wait for the steps with
   :class:`~isbflow.airflow.sensors.pipeline.PipelineStateSensor`.
 - :class:`PipelineDrainOperator` runs the drain protocol
-  (:func:`isbflow.steps.drain.drain_pipeline`, upstream first) and waits for the
+  (:func:`isbflow.ops.pipeline.drain_and_wait`, upstream first) and waits for the
   driver to exit. XCom: each step's final offsets. A timeout fails the task with
   the stuck step named.
 - :class:`PipelineBatchOperator` runs the same steps once with
@@ -31,8 +34,7 @@ Reference tables are read from ``<pipelines_dir>/reference/<name>.json``
 
 from __future__ import annotations
 
-import asyncio
-import json
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,7 @@ from isbflow.airflow.pipelines import resolve_pipeline_file
 if TYPE_CHECKING:
     import logging
 
-    from isbflow.isb.connect import NatsSettings
+    from isbflow.ops.connection import NatsSettings
     from isbflow.spec import Specs
     from isbflow.spec.models import Pipeline
 
@@ -70,7 +72,7 @@ class PipelineTarget:
 def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str | None,
                    nats_conn_id: str, data_dir: str | None) -> PipelineTarget:
     """Load the spec and find the ISB service; a bad name or spec fails the task without retries."""
-    from isbflow.isb.connect import default_data_dir
+    from isbflow.ops.connection import default_data_dir
     from isbflow.spec import SpecError, load_specs
 
     try:
@@ -96,33 +98,38 @@ def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str 
 def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provision: bool,
                      log: logging.Logger) -> None:
     """Provision the buffers (when asked) and put the reference tables found in ``references_dir``."""
-    from isbflow.isb import provision as prov
-    from isbflow.isb import reference
-    from isbflow.isb.connect import IsbUnreachable
+    from isbflow.ops import pipeline as ops
 
-    p = target.pipeline
+    def missing(name: str, file: Path | None) -> None:
+        log.warning("reference table %s: no file %s; the step reads what its bucket holds", name, file)
+
+    with _task_errors():
+        prepared = ops.prepare(target.settings, target.specs, target.pipeline, references_dir,
+                               provision=provision, on_missing_reference=missing)
+    _log_prepared(prepared, target.pipeline.name, log)
+
+
+def _log_prepared(prepared, pipeline: str, log: logging.Logger) -> None:
+    if prepared.provisioned is not None:
+        log.info("provisioned pipeline %s, changed: %s\n%s", pipeline, prepared.provisioned.changed,
+                 report_table(prepared.provisioned))
+    for name, counts in prepared.references.items():
+        log.info("reference table %s: %s", name, counts)
+
+
+@contextlib.contextmanager
+def _task_errors():
+    """An unreachable ISB service or a failed driver may pass on retry; a bad spec, file or
+    refused change fails the task without retries."""
+    from isbflow.ops import pipeline as ops
+
     try:
-        if provision:
-            report = asyncio.run(prov.apply(target.settings, target.specs, p.name))
-            log.info("provisioned pipeline %s, changed: %s\n%s", p.name, report.changed, report_table(report))
-            refused = [r.name for r in report.resources if r.action == prov.Action.REFUSED]
-            if refused:
-                raise AirflowFailException(f"recreate refused for buffer(s) still holding messages: "
-                                           f"{', '.join(refused)}")
-        for name in sorted({r.name for v in p.spec.vertices if v.udf for r in v.udf.references}):
-            file = references_dir / f"{name}.json" if references_dir else None
-            if file is None or not file.is_file():
-                log.warning("reference table %s: no file %s; the step reads what its bucket holds", name, file)
-                continue
-            try:
-                rows = json.loads(file.read_text())
-            except ValueError as e:
-                raise AirflowFailException(f"reference table {file}: not valid JSON ({e})") from None
-            counts = asyncio.run(reference.put(target.settings, p.name, name, rows))
-            log.info("reference table %s from %s: %s", name, file, counts)
-    except IsbUnreachable as e:
+        yield
+    except ops.IsbUnreachable as e:
         raise RuntimeError(str(e)) from None  # retries apply
-    except (prov.ProvisionError, reference.ReferenceError) as e:
+    except ops.LaunchError as e:
+        raise RuntimeError(str(e)) from None
+    except (ops.PipelineError, ops.DrainTimeout) as e:
         raise AirflowFailException(str(e)) from None
 
 
@@ -186,30 +193,24 @@ class PipelineStartOperator(_RunsDriver):
         self.startup_grace = startup_grace
 
     def execute(self, context: Any) -> dict:
-        from isbflow.isb.connect import IsbUnreachable, connect
-        from isbflow.steps.drain import resume_pipeline
-        from isbflow.steps.launch import LaunchError, launch_pipeline
+        from isbflow.ops import pipeline as ops
 
         t = self.target()
-        prepare_pipeline(t, self.references_dir(), as_bool(self.provision), self.log)
 
-        async def resume() -> None:
-            nc = await connect(t.settings, name="isbflow-airflow-start")
+        def missing(name: str, file: Path | None) -> None:
+            self.log.warning("reference table %s: no file %s; the step reads what its bucket holds", name, file)
+
+        with _task_errors():
             try:
-                await resume_pipeline(nc, t.pipeline)
-            finally:
-                await nc.close()
-
-        try:
-            asyncio.run(resume())
-            record = launch_pipeline(t.path, t.data_dir, t.settings, master=self.master,
-                                     pipeline=t.pipeline.name, steps=self.steps or None,
-                                     workdir=self.workdir or None, heartbeat_timeout=self.heartbeat_timeout,
-                                     startup_grace=self.startup_grace)
-        except IsbUnreachable as e:
-            raise RuntimeError(str(e)) from None
-        except LaunchError as e:
-            raise AirflowFailException(str(e)) from None
+                started = ops.start(t.path, t.specs, t.pipeline, t.settings, t.data_dir, master=self.master,
+                                    steps=self.steps or None, workdir=self.workdir or None,
+                                    references_dir=self.references_dir(), provision=as_bool(self.provision),
+                                    on_missing_reference=missing, heartbeat_timeout=self.heartbeat_timeout,
+                                    startup_grace=self.startup_grace)
+            except ops.LaunchError as e:
+                raise AirflowFailException(str(e)) from None
+        _log_prepared(started.prepared, t.pipeline.name, self.log)
+        record = started.launch
         if record.reused:
             self.log.info("pipeline %s already runs: launch %s (pid %s, log %s); not starting another",
                           t.pipeline.name, record.launch_id, record.pid, record.log)
@@ -238,13 +239,10 @@ class PipelineDrainOperator(PipelineOperatorBase):
         self.exit_timeout = exit_timeout
 
     def execute(self, context: Any) -> dict:
-        from isbflow.isb.connect import IsbUnreachable, connect
-        from isbflow.steps.drain import DrainTimeout, drain_pipeline
-        from isbflow.steps.launch import read_launch, wait_exit
+        from isbflow.ops import pipeline as ops
 
         t = self.target()
         p = t.pipeline
-        timeout = float(self.drain_timeout)
 
         def progress(statuses: dict) -> None:
             states = {v: (s.state if s else "unknown") for v, s in statuses.items()}
@@ -252,32 +250,16 @@ class PipelineDrainOperator(PipelineOperatorBase):
                 self.log.info("drain of %s: %s", p.name, states)
                 progress.last = states  # type: ignore[attr-defined]
 
-        async def drain() -> dict:
-            nc = await connect(t.settings, name="isbflow-airflow-drain")
-            try:
-                return await drain_pipeline(nc, p, timeout=timeout, on_update=progress)
-            finally:
-                await nc.close()
-
-        try:
-            final = asyncio.run(drain())
-        except IsbUnreachable as e:
-            raise RuntimeError(str(e)) from None
-        except DrainTimeout as e:
-            raise AirflowFailException(str(e)) from None
-        offsets = {v: s.final_offsets for v, s in final.items()}
+        with _task_errors():
+            drained = ops.drain_and_wait(t.settings, p, t.data_dir, timeout=float(self.drain_timeout),
+                                         exit_timeout=self.exit_timeout, on_update=progress)
+        offsets = drained.final_offsets
         for v, o in offsets.items():
             self.log.info("step %s drained, final offsets %s", v, o)
-        launch = read_launch(t.data_dir, p.name)
-        exited = None  # no launch on record, or it ran on another host (cannot tell)
-        alive = launch.alive() if launch is not None else None
-        if alive is False:
-            exited = True  # the driver exited as its last step drained (before we looked)
-        elif alive:
-            exited = wait_exit(launch, self.exit_timeout)
-            if not exited:
-                self.log.warning("launch %s (pid %s) still runs %.0fs after the drain; see %s",
-                                 launch.launch_id, launch.pid, self.exit_timeout, launch.log)
+        launch, exited = drained.launch, drained.driver_exited
+        if exited is False:
+            self.log.warning("launch %s (pid %s) still runs %.0fs after the drain; see %s",
+                             launch.launch_id, launch.pid, self.exit_timeout, launch.log)
         emit_sink_events(context, p, t.data_dir, by="drain")
         return {"pipeline": p.name, "final_offsets": offsets,
                 "launch": launch.launch_id if launch else None, "driver_exited": exited}
@@ -299,23 +281,20 @@ class PipelineBatchOperator(_RunsDriver):
         self.run_timeout = run_timeout
 
     def execute(self, context: Any) -> dict:
-        from isbflow.steps.launch import LaunchError, read_launch, run_foreground
+        from isbflow.ops import pipeline as ops
 
         t = self.target()
         p = t.pipeline
-        live = read_launch(t.data_dir, p.name)
+        live = ops.live_launch(t.data_dir, p)
         if live is not None and live.alive() is not False:
             raise AirflowSkipException(
                 f"pipeline {p.name!r} runs continuously (launch {live.launch_id}, pid {live.pid}): a batch run "
                 "would share its checkpoints; drain it first (DAG pipeline_drain)")
         prepare_pipeline(t, self.references_dir(), as_bool(self.provision), self.log)
         self.log.info("batch run of %s on %s", p.name, self.master)
-        try:
-            result, log_path = run_foreground(t.path, t.data_dir, t.settings, trigger="available-now",
-                                              master=self.master, pipeline=p.name,
-                                              workdir=self.workdir or None, timeout=self.run_timeout)
-        except LaunchError as e:
-            raise RuntimeError(str(e)) from None  # a failed run may succeed on retry
+        with _task_errors():  # a failed run may succeed on retry
+            result, log_path = ops.batch(t.path, p, t.settings, t.data_dir, master=self.master,
+                                         workdir=self.workdir or None, timeout=self.run_timeout)
         steps = {v: {k: s.get(k) for k in ("state", "final_offsets", "rows_total", "dlq_total")}
                  for v, s in result.get("steps", {}).items()}
         for v, s in steps.items():

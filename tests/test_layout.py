@@ -1,0 +1,85 @@
+"""The package's shape, checked: no private name crosses a module, modules fit in a head.
+
+The layering itself is import-linter's contract in ``pyproject.toml`` (``make lint``
+and ``make test`` run ``lint-imports`` before the suite); these are the rules it
+cannot express.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "isbflow"
+
+#: modules allowed over MAX_LINES, each one job (README "How it works" says why)
+LONG_MODULES: dict[str, str] = {
+    "isbflow.steps.runner": "one job, wiring and following a pipeline's queries (start, bookkeeping, "
+                            "restart, control); its helpers live in steps/session, restart and progress",
+}
+MAX_LINES = 500
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(path: Path) -> list[str]:
+    """``from isbflow.x import _y`` and ``x._y`` where ``x`` is an imported isbflow module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = _module_name(path)
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local alias -> isbflow module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("isbflow"):
+            for a in node.names:
+                target = f"{node.module}.{a.name}"
+                if _private(a.name) and node.module != here:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {target}")
+                modules[a.asname or a.name] = target
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("isbflow"):
+                    modules[a.asname or a.name] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and modules[node.value.id] != here):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: uses {modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_outside_its_module():
+    found = [u for p in _modules() for u in private_uses(p)]
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    bad = PACKAGE / "_layout_probe_tmp.py"
+    bad.write_text("from isbflow.steps import runner\nfrom isbflow.spec.load import _x\nrunner._apply\n")
+    try:
+        found = private_uses(bad)
+    finally:
+        bad.unlink()
+    assert len(found) == 2, found
+
+
+def test_modules_fit_in_a_head():
+    long = {_module_name(p): n for p in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES and _module_name(p) not in LONG_MODULES}
+    assert not long, f"modules over {MAX_LINES} lines (split them, or justify in LONG_MODULES and the README): {long}"
+
+
+def test_every_package_states_its_contract():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(ROOT)}: no docstring stating the package's contract"
