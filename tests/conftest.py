@@ -1,5 +1,13 @@
 """Fixtures shared by the suite: real nats-server processes, cleaned up by PID.
 
+The suite mirrors the package: ``tests/<package>/test_<module>.py`` for ``isbflow/<package>/``
+(spec, isb, connector, sinks, steps, recovery, quality, ops, cli, airflow, platform);
+``tests/e2e/`` runs the whole platform (one ``isbflow platform up`` shared by the browser and
+lifecycle tests), the benchmarks' ``--quick`` runs and the security checks;
+``tests/helpers/`` holds what several folders share (Airflow homes, the live platform,
+recovery runs, provisioning, test sources and transforms); ``tests/test_layout.py`` checks the
+package's shape (no private name across modules, modules that fit in a head).
+
 Each fixture starts its servers under its own temporary data dir with the same
 code ``isbflow nats up`` uses, and stops them by PID at teardown.
 """
@@ -65,7 +73,7 @@ def spark():
     from pyspark import SparkContext
 
     from isbflow.steps.runner import spark_session
-    from tests.memory_source import MemoryDataSource
+    from tests.helpers.memory_source import MemoryDataSource
 
     session = spark_session("local[2]", app_name="isbflow-tests", conf={"spark.ui.enabled": "false"})
     session.dataSource.register(MemoryDataSource)

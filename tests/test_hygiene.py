@@ -2,7 +2,7 @@
 password, reference loads that time out and validate their rows.
 
 NATS parts run against the real nats-server of the ``nats_server`` fixture, Spark parts in the
-suite's SparkSession, the CSP in Debian's Chromium (``/usr/bin/chromium``, as tests/test_browser.py).
+suite's SparkSession, the CSP in Debian's Chromium (``/usr/bin/chromium``, as tests/e2e/test_browser.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Shared test helpers: Airflow homes, the live platform, recovery runs, test sources and transforms."""

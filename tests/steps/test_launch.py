@@ -1,0 +1,150 @@
+"""``isbflow.steps.launch``: detached drivers, one live launch per pipeline, liveness by PID and heartbeats.
+
+The launch mechanics run real detached processes (a sleeping Python stands in
+for the Spark driver; the real driver is launched in tests/airflow/test_pipeline_operators.py);
+every process started here is stopped by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from isbflow.isb.connect import NatsSettings, resolve_settings
+from isbflow.isb.state import Observed, StepStatus
+from isbflow.steps import launch as L
+
+SECRET = "pw-never-on-cmdline-17"
+SETTINGS = NatsSettings(servers=("nats://isbflow:" + SECRET + "@127.0.0.1:4299",))
+SLEEPER = [sys.executable, "-c", "import time; print('driver up', flush=True); time.sleep(300)"]
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    yield tmp_path
+    for rec in (tmp_path / "launches").glob("*.json"):
+        r = L.LaunchRecord.from_json(json.loads(rec.read_text()))
+        L.stop_process(r.pid, r.proc_start, grace=2)
+
+
+def start(data_dir: Path, command=SLEEPER, statuses=None, **kw) -> L.LaunchRecord:
+    return L.launch("demo", "demo", command, data_dir=data_dir, env=L.driver_env(SETTINGS, data_dir),
+                    master="local[1]", statuses=statuses, **kw)
+
+
+def wait_for(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_launch_is_detached_recorded_and_keeps_secrets_in_env(data_dir):
+    rec = start(data_dir)
+
+    assert not rec.reused and rec.alive() is True
+    assert L.read_launch(data_dir, "demo") == rec
+    assert Path(rec.log).parent == data_dir.absolute() / "logs"
+    wait_for(lambda: "driver up" in Path(rec.log).read_text())
+    stat = Path(f"/proc/{rec.pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    assert int(fields[2]) == rec.pid  # its own process group ...
+    assert int(fields[3]) == rec.pid  # ... and session: detached from the caller
+    cmdline = Path(f"/proc/{rec.pid}/cmdline").read_bytes().decode()
+    environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{rec.pid}/environ").read_bytes().decode().split("\0")
+                   if "=" in kv)
+    assert SECRET not in cmdline and SECRET not in Path(rec.log).read_text()
+    assert environ["NATS_PASSWORD"] == SECRET and SECRET not in environ["NATS_URL"]
+    assert environ["ISBFLOW_HOME"] == str(data_dir.absolute())
+    assert environ["PYSPARK_PYTHON"] == sys.executable and environ["SPARK_LOCAL_IP"] == "127.0.0.1"
+
+
+def test_live_launch_is_reused_and_a_stopped_one_replaced(data_dir):
+    first = start(data_dir)
+    again = start(data_dir)
+    assert again.reused and again.pid == first.pid and again.launch_id == first.launch_id
+
+    stopped = L.stop_launch(data_dir, "demo", grace=5)
+    assert stopped is not None and stopped.pid == first.pid
+    assert first.alive() is False
+
+    third = start(data_dir)
+    assert not third.reused and third.pid != first.pid and third.alive() is True
+
+
+def test_exited_driver_is_not_live(data_dir):
+    rec = start(data_dir, command=[sys.executable, "-c", "print('bye')"])
+    wait_for(lambda: rec.alive() is False)
+    assert L.wait_exit(rec, 1)
+    nxt = start(data_dir)
+    assert not nxt.reused and nxt.launch_id != rec.launch_id
+
+
+def test_pid_reuse_does_not_count_as_alive(data_dir):
+    rec = start(data_dir)
+    assert L.process_alive(rec.pid, rec.proc_start)
+    assert not L.process_alive(rec.pid, (rec.proc_start or 0) + 1)
+
+
+def test_stalled_driver_is_refused_not_doubled(data_dir):
+    rec = start(data_dir)
+    stale = StepStatus("in", state=Observed.RUNNING, pid=rec.pid)
+    stale.updated_at = rec.started_at
+    statuses = {"in": stale}
+    later = rec.started_at + 500
+    assert L.check_live(rec, statuses, heartbeat_timeout=60, startup_grace=300, now=rec.started_at + 100)
+    with pytest.raises(L.LaunchStalled, match=rf"pid {rec.pid}\) still runs but sends no heartbeats"):
+        L.check_live(rec, statuses, heartbeat_timeout=60, startup_grace=300, now=later)
+    with pytest.raises(L.LaunchStalled):
+        start(data_dir, statuses=statuses, startup_grace=0, heartbeat_timeout=0)
+    fresh = StepStatus("in", state=Observed.RUNNING, pid=rec.pid)  # updated_at = now
+    assert start(data_dir, statuses={"in": fresh}, startup_grace=0, heartbeat_timeout=60).reused
+
+
+def test_judge_state(data_dir):
+    rec = start(data_dir)
+    now = time.time()
+
+    def st(state, pid=rec.pid, at=now, error=None):
+        s = StepStatus("x", state=state, pid=pid, error=error)
+        s.updated_at = at
+        return s
+
+    ok = L.judge_state({"a": st("running"), "b": st("running")}, "running", rec, alive=True)
+    assert ok.done and ok.problem is None and ok.steps == {"a": "running", "b": "running"}
+
+    old = L.judge_state({"a": st("running", at=rec.started_at - 60), "b": st("running")}, "running", rec,
+                        alive=True)
+    assert not old.done and old.problem is None and old.steps["a"] == "unknown"  # an earlier run's heartbeat
+
+    failed = L.judge_state({"a": st("failed", error="boom"), "b": None}, "running", rec, alive=True)
+    assert not failed.done and "step 'a' failed: boom" in failed.problem
+
+    dead = L.judge_state({"a": st("running"), "b": None}, "running", rec, alive=False)
+    assert "exited before every step was running; waiting for b (unknown)" in dead.problem
+    assert rec.log in dead.problem
+
+    drained = L.judge_state({"a": st("drained")}, "drained", rec, alive=False)
+    assert drained.done
+
+
+def test_driver_command_and_settings_env(tmp_path, monkeypatch):
+    cmd = L.driver_command("pipelines/logs.yaml", data_dir=tmp_path, master="local[2]", pipeline="logs")
+    assert cmd[-8:] == ["--trigger", "continuous", "--master", "local[2]", "--data-dir", str(tmp_path.absolute()),
+                        "--pipeline", "logs"]
+    assert L.driver_command("x.yaml", data_dir=tmp_path, steps=["parse"])[1:4] == ["step", "run", "--step"]
+    with pytest.raises(L.LaunchError, match="cannot launch steps a, b together"):
+        L.driver_command("x.yaml", data_dir=tmp_path, steps=["a", "b"])
+
+    tls = NatsSettings(servers=("tls://u:p@127.0.0.1:1",), tls_ca="/ca.pem")
+    for original in (SETTINGS, tls, NatsSettings(servers=("nats://tok@h:1",))):
+        env = L.settings_env(original)
+        for k in [k for k in list(__import__("os").environ) if k.startswith("NATS_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert resolve_settings() == original.with_auth_from_urls()
