@@ -89,3 +89,7 @@ def spark():
         proc.wait(timeout=60)
         SparkContext._gateway = None
         SparkContext._jvm = None
+
+
+# The session's one migrated Airflow DB and the AIRFLOW_HOME built from it, for every folder.
+from tests.helpers.airflow_env import airflow_home, migrated_airflow_db  # noqa: E402, F401

@@ -36,7 +36,7 @@ from isbflow.spec import SpecError, load_specs
 from isbflow.spec.times import TimeExpressionError, resolve_range, resolve_time
 from isbflow.steps.lag import pipeline_lag
 from isbflow.steps.runner import PipelineRunner
-from tests.helpers.airflow_env import DAGS, ROOT, airflow_home  # noqa: F401
+from tests.helpers.airflow_env import DAGS, ROOT
 
 SPEC = ROOT / "tests" / "specs" / "airflow-mini.yaml"
 SEED = 11
@@ -210,7 +210,7 @@ class Mini:
         asyncio.run(go())
 
 
-def in_airflow_db(airflow_home, env: dict[str, str], code: str) -> Any:  # noqa: F811
+def in_airflow_db(airflow_home, env: dict[str, str], code: str) -> Any:
     """Run ``code`` (which sets ``result``) against the test Airflow's metadata DB; return ``result``."""
     script = ("import json\nfrom sqlalchemy import select\nfrom airflow.utils.session import create_session\n"
               f"{code}\nprint('@@RESULT@@' + json.dumps(result, default=str))")
@@ -241,7 +241,7 @@ with create_session() as s:
 
 
 @pytest.mark.slow
-def test_dag_files_import_with_described_params_and_generated_dags(airflow_home, tmp_path):  # noqa: F811
+def test_dag_files_import_with_described_params_and_generated_dags(airflow_home, tmp_path):
     folder = tmp_path / "pipelines"
     folder.mkdir()
     (folder / "mini.yaml").write_text(SPEC.read_text().replace("spec:\n  vertices:",
@@ -294,7 +294,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_replay_dry_run_changes_nothing_then_recover_refills_the_sink(airflow_home, spark, nats_server,  # noqa: F811
+def test_replay_dry_run_changes_nothing_then_recover_refills_the_sink(airflow_home, spark, nats_server,
                                                                       tmp_path):
     m = Mini(nats_server, tmp_path)
     m.produce(2000)
@@ -356,7 +356,7 @@ def test_replay_dry_run_changes_nothing_then_recover_refills_the_sink(airflow_ho
 
 
 @pytest.mark.slow
-def test_replay_rejects_a_range_for_recover_and_offsets_with_times(airflow_home, nats_server,  # noqa: F811
+def test_replay_rejects_a_range_for_recover_and_offsets_with_times(airflow_home, nats_server,
                                                                                  tmp_path):
     m = Mini(nats_server, tmp_path)
     wrong = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "recover", "from_offset": 5},
@@ -383,7 +383,7 @@ def with_copy_sink(text: str, gate: str, expectation: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_quality_passes_clean_warns_on_warn_gate_fails_on_fail_gate(airflow_home, spark, nats_server,  # noqa: F811
+def test_quality_passes_clean_warns_on_warn_gate_fails_on_fail_gate(airflow_home, spark, nats_server,
                                                                     tmp_path):
     # raw: fail gate, clean data; copy: warn gate, an expectation about a fifth of the rows break
     m = Mini(nats_server, tmp_path, with_copy_sink(SPEC.read_text(), "warn", ONLY_INFO_DEBUG))
@@ -427,7 +427,7 @@ def test_quality_passes_clean_warns_on_warn_gate_fails_on_fail_gate(airflow_home
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_watchdog_healthy_stale_and_auto_recover(airflow_home, nats_server, tmp_path):  # noqa: F811
+def test_watchdog_healthy_stale_and_auto_recover(airflow_home, nats_server, tmp_path):
     m = Mini(nats_server, tmp_path)
     for v in ("in", "raw"):
         m.heartbeat(v)

@@ -25,7 +25,7 @@ from isbflow.ops.produce import produce
 from isbflow.platform import nats_connection_json
 from isbflow.spec import load_specs
 from isbflow.steps.launch import read_launch, stop_launch
-from tests.helpers.airflow_env import DAGS, ROOT, airflow_home  # noqa: F401
+from tests.helpers.airflow_env import DAGS, ROOT
 from tests.helpers.provision import small_demo
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def expected_ids(count: int) -> set[str]:
     return {f"in/0/{i + 1}" for i in range(count)}  # event i sits at source sequence i + 1
 
 
-def test_dag_files_parse(airflow_home):  # noqa: F811
+def test_dag_files_parse(airflow_home):
     code = ("import json; from airflow.dag_processing.dagbag import DagBag; "
             f"b = DagBag({str(DAGS)!r}); "
             "print(json.dumps({'errors': {k: str(v) for k, v in b.import_errors.items()}, "
@@ -83,7 +83,7 @@ def test_dag_files_parse(airflow_home):  # noqa: F811
     assert {"isb_provision", "pipeline_start", "pipeline_drain", "pipeline_batch"} <= set(out["dags"])
 
 
-def test_start_then_drain_processes_every_event_once(airflow_home, demo):  # noqa: F811
+def test_start_then_drain_processes_every_event_once(airflow_home, demo):
     before, during = 2000, 1500
     demo.produce(before)
 
@@ -119,7 +119,7 @@ def test_start_then_drain_processes_every_event_once(airflow_home, demo):  # noq
     assert demo.password not in outputs and demo.password not in " ".join(record.command)
 
 
-def test_sensor_fails_clearly_when_the_driver_dies(airflow_home, demo):  # noqa: F811
+def test_sensor_fails_clearly_when_the_driver_dies(airflow_home, demo):
     result = airflow_home.run_dag("pipeline_start", {"pipeline": "logs.yaml", "master": "no-such-master"},
                                   extra_env=demo.env, timeout=600)
     assert result.state == "failed"
@@ -128,7 +128,7 @@ def test_sensor_fails_clearly_when_the_driver_dies(airflow_home, demo):  # noqa:
     assert "no-such-master" in result.output  # the driver log's last lines name the cause
 
 
-def test_batch_dag_processes_what_the_buffers_hold(airflow_home, demo):  # noqa: F811
+def test_batch_dag_processes_what_the_buffers_hold(airflow_home, demo):
     count = 2500
     demo.produce(count)
 

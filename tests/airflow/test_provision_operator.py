@@ -16,7 +16,6 @@ from isbflow.isb import provision
 from isbflow.isb.server import free_port
 from isbflow.platform import nats_connection_json
 from isbflow.spec import load_specs
-from tests.helpers.airflow_env import ROOT, airflow_home  # noqa: F401
 from tests.helpers.provision import small_demo  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -27,7 +26,7 @@ def _no_fallback(tmp_path) -> dict[str, str]:
     return {"ISBFLOW_HOME": str(tmp_path / "empty"), "NATS_URL": ""}
 
 
-def test_dag_provisions_logs_pipeline_idempotently(airflow_home, nats_server, tmp_path):  # noqa: F811
+def test_dag_provisions_logs_pipeline_idempotently(airflow_home, nats_server, tmp_path):
     folder = small_demo(tmp_path)
     env = {**_no_fallback(tmp_path), "AIRFLOW_CONN_NATS_DEFAULT": nats_connection_json(nats_server.state),
            "ISBFLOW_PIPELINES_DIR": str(folder)}
@@ -51,7 +50,7 @@ def test_dag_provisions_logs_pipeline_idempotently(airflow_home, nats_server, tm
     assert nats_server.state.password not in first.output + second.output
 
 
-def test_unreachable_server_fails_task_without_leaking_password(airflow_home, tmp_path):  # noqa: F811
+def test_unreachable_server_fails_task_without_leaking_password(airflow_home, tmp_path):
     secret = "s3cret-never-logged-42"
     port = free_port()  # nothing listens there
     conn = json.dumps({"conn_type": "nats", "host": "127.0.0.1", "port": port,

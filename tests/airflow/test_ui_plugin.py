@@ -44,7 +44,12 @@ from isbflow.quality import reports
 from isbflow.quality.checks import CheckResult
 from isbflow.quality.run import QualityReport
 from isbflow.spec import load_specs
-from tests.helpers.airflow_env import DAGS, ROOT, AirflowHome
+from tests.helpers.airflow_env import (  # noqa: F401
+    DAGS,
+    ROOT,
+    AirflowHome,
+    airflow_home_from,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +153,7 @@ def ui_nats(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory, ui_nats):
+def site(tmp_path_factory, ui_nats, migrated_airflow_db):
     """Spec folder (demo.yaml, broken.yaml), isbflow data dir, provisioned buffers, a migrated Airflow."""
     root = tmp_path_factory.mktemp("ui-site")
     specs_dir = root / "pipelines"
@@ -163,8 +168,7 @@ def site(tmp_path_factory, ui_nats):
     asyncio.run(provision.apply(settings, specs))
 
     home = root / "airflow"
-    home.mkdir()
-    env = airflow_env(home, DAGS)
+    env = airflow_home_from(migrated_airflow_db, home)  # the session's one migration, copied
     env.update({
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS),
         "ISBFLOW_PIPELINES_DIR": str(specs_dir),
@@ -172,9 +176,6 @@ def site(tmp_path_factory, ui_nats):
         "NATS_URL": "",
         "AIRFLOW_CONN_NATS_DEFAULT": nats_connection_json(ui_nats),
     })
-    proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return Site(root, specs_dir, data_dir, settings, AirflowHome(home, env))
 
 

@@ -36,7 +36,6 @@ from isbflow.platform import nats_connection_json
 from isbflow.spec import SpecError, load_specs
 from isbflow.steps.launch import LaunchError, driver_command, launch
 from tests.conftest import ROOT
-from tests.helpers.airflow_env import airflow_home  # noqa: F401
 from tests.helpers.scale_env import SPEC, DemoRun
 
 COUNT = 1500
@@ -130,7 +129,7 @@ def test_pipeline_run_leaks_no_password(nats_server, tmp_path):
 
 
 @pytest.mark.slow
-def test_airflow_batch_dag_leaks_no_password(airflow_home, nats_server, tmp_path):  # noqa: F811
+def test_airflow_batch_dag_leaks_no_password(airflow_home, nats_server, tmp_path):
     password = nats_server.state.password
     folder = tmp_path / "pipelines"
     folder.mkdir()

@@ -9,12 +9,14 @@ Airflow's configuration (read once per process at import) never leaks between
 tests or into the pytest process; it returns the run's state, each task's
 state and XCom ``return_value``, and the process output for failure messages.
 
-Use it from a test module with ``from tests.helpers.airflow_env import airflow_home  # noqa: F401``.
+The fixtures are registered for the whole suite by tests/conftest.py
+(the DB is migrated once per session and copied into each home).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from isbflow.platform import airflow_env
 ROOT = Path(__file__).resolve().parents[2]
 DAGS = ROOT / "dags"
 RESULT_MARK = "@@DAG_TEST_RESULT@@ "
+#: the SQLite metadata DB Airflow keeps in its AIRFLOW_HOME by default
+DB_FILE = "airflow.db"
 
 
 @dataclass
@@ -60,15 +64,29 @@ class AirflowHome:
 
 
 @pytest.fixture(scope="session")
-def airflow_home(tmp_path_factory) -> AirflowHome:
-    """A temporary AIRFLOW_HOME with a migrated metadata DB, shared by the session's Airflow tests."""
-    home = tmp_path_factory.mktemp("airflow_home")
-    env = airflow_env(home, DAGS)
-    proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env,
-                          capture_output=True, text=True, timeout=300)
+def migrated_airflow_db(tmp_path_factory) -> Path:
+    """One ``airflow db migrate`` for the session: a pristine SQLite metadata DB that every test
+    AIRFLOW_HOME starts from as a copy (:func:`airflow_home_from`)."""
+    home = tmp_path_factory.mktemp("airflow_template")
+    proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"],
+                          env=airflow_env(home, DAGS), capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"airflow db migrate failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return AirflowHome(home, env)
+    return home / DB_FILE
+
+
+def airflow_home_from(db: Path, home: Path) -> dict[str, str]:
+    """``home`` as an AIRFLOW_HOME holding a copy of the migrated ``db``; its environment."""
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(db, home / DB_FILE)
+    return airflow_env(home, DAGS)
+
+
+@pytest.fixture(scope="session")
+def airflow_home(tmp_path_factory, migrated_airflow_db) -> AirflowHome:
+    """A temporary AIRFLOW_HOME with a migrated metadata DB, shared by the session's Airflow tests."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    return AirflowHome(home, airflow_home_from(migrated_airflow_db, home))
 
 
 def _run(dag_file: str, dag_id: str, conf: str) -> None:
