@@ -420,7 +420,13 @@ def stop_launch(data_dir: str | Path, key: str, grace: float = 30.0) -> LaunchRe
 
 
 def stop_process(pid: int, proc_start: int | None = None, grace: float = 30.0) -> None:
-    """Stop a detached process (the leader of its own process group) and everything in its group."""
+    """Stop a detached process (the leader of its own process group) and everything in its group.
+
+    With ``proc_start`` (its start time as recorded), a PID now held by another process (the
+    record outlived a reboot or crash and the PID was reused) is left alone, its group too.
+    """
+    if proc_start is not None and process_alive(pid, None) and not process_alive(pid, proc_start):
+        return
     for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         if not process_alive(pid, proc_start):
             break

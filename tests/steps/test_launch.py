@@ -148,3 +148,24 @@ def test_driver_command_and_settings_env(tmp_path, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert resolve_settings() == original.with_auth_from_urls()
+
+
+def test_stop_process_leaves_a_reused_pid_alone():
+    """A launch record that outlived its process (a crash, a reboot) names a PID another process
+    may hold now: stop_process signals it only when its start time matches the record."""
+    import subprocess
+
+    from isbflow.local.procs import process_alive, process_start
+
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        start = process_start(child.pid)
+        assert start is not None
+        L.stop_process(child.pid, proc_start=start + 1, grace=1.0)  # another process's record
+        assert child.poll() is None and process_alive(child.pid, start)
+        L.stop_process(child.pid, proc_start=start, grace=5.0)  # its own record
+        assert child.wait(timeout=10) is not None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
