@@ -83,3 +83,13 @@ def test_every_package_states_its_contract():
     for init in sorted(PACKAGE.rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.relative_to(ROOT)}: no docstring stating the package's contract"
+
+
+def test_no_test_module_shadows_the_standard_library():
+    """A test helper run as a script (``python tests/helpers/airflow_env.py``) has its own folder
+    first on ``sys.path``: a ``platform.py`` there would shadow the stdlib's for every import."""
+    import sys
+
+    shadows = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+               if p.stem in sys.stdlib_module_names]
+    assert not shadows, f"test modules named like standard library modules: {shadows}"

@@ -229,7 +229,8 @@ def _secret(path: Path) -> str:
 PORTS_FILE = "ports.json"
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """True when nothing listens on ``HOST:port`` (connections in TIME_WAIT do not count, as for servers)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -247,7 +248,7 @@ def _ports(ndir: Path, cluster: int, client_port: int | None) -> list[tuple[int,
     except (OSError, ValueError, TypeError):
         last = []
     reusable = len(last) == cluster and all(
-        _port_free(p) for node in last for p in node if p is not None) and (
+        port_free(p) for node in last for p in node if p is not None) and (
         client_port is None or last[0][0] == client_port)
     ports = last if reusable else [
         (client_port if (client_port and i == 0) else free_port(), free_port(), free_port() if cluster > 1 else None)

@@ -11,10 +11,11 @@ from isbflow.isb.server import (
     ServerState,
     check_cluster_size,
     free_port,
+    port_free,
     read_state,
     start_embedded,
     stop_embedded,
 )
 
-__all__ = ["EmbeddedNatsError", "ServerState", "check_cluster_size", "free_port", "read_state", "start_embedded",
+__all__ = ["EmbeddedNatsError", "ServerState", "check_cluster_size", "free_port", "port_free", "read_state", "start_embedded",
            "stop_embedded"]

@@ -43,13 +43,13 @@ cluster for tests and benchmarks); this one starts, stops and reports on the who
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isbflow.ops import nats as nats_server
+from isbflow.ops.nats import port_free
 from isbflow.ops.processes import process_alive as pid_alive
 from isbflow.ops.processes import process_start
 from isbflow.platform.airflow import (
@@ -144,17 +144,6 @@ class StopReport:
     state: PlatformState
     drained: dict[str, str] = field(default_factory=dict)  # launch key -> outcome
     leftovers: list[int] = field(default_factory=list)  # PIDs carrying the marker, killed last
-
-
-def port_free(port: int) -> bool:
-    """True when nothing listens on ``HOST:port`` (connections in TIME_WAIT do not count, as for servers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 def platform_processes(state: PlatformState) -> list[int]:

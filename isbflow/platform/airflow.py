@@ -38,6 +38,7 @@ from isbflow.platform.state import (
     Progress,
     quiet,
     repo_root,
+    venv_bin,
     write_state,
 )
 
@@ -62,10 +63,7 @@ def airflow_home(data_dir: Path) -> Path:
 
 
 def airflow_bin() -> str:
-    cand = Path(sys.executable).parent / "airflow"
-    if not cand.exists():
-        raise PlatformError(f"airflow not found next to {sys.executable}: install the project ('uv sync')")
-    return str(cand)
+    return venv_bin("airflow")
 
 
 def nats_connection_json(state: ServerState) -> str:
@@ -89,7 +87,7 @@ def airflow_env(home: Path, dags_folder: Path, api_port: int = DEFAULT_API_PORT,
     repository's ``plugins/``).
     """
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("AIRFLOW")}
-    venv_bin = str(Path(sys.executable).parent)
+    bin_dir = str(Path(sys.executable).parent)
     env.update({
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
@@ -109,7 +107,7 @@ def airflow_env(home: Path, dags_folder: Path, api_port: int = DEFAULT_API_PORT,
         "PYSPARK_PYTHON": sys.executable,
         "PYSPARK_DRIVER_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": HOST,
-        "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
+        "PATH": bin_dir + os.pathsep + env.get("PATH", ""),
     })
     return env
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from isbflow.platform.state import (
     Progress,
     quiet,
     repo_root,
+    venv_bin,
     write_state,
 )
 from isbflow.spec import SpecError, Specs, load_specs
@@ -69,10 +69,7 @@ def demo_spec() -> Path:
 
 
 def isbflow_bin() -> str:
-    cand = Path(sys.executable).parent / "isbflow"
-    if not cand.exists():
-        raise PlatformError(f"isbflow not found next to {sys.executable}: install the project ('uv sync')")
-    return str(cand)
+    return venv_bin("isbflow")
 
 
 def nats_settings(data_dir: Path) -> NatsSettings:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -148,3 +149,11 @@ def running(data_dir: Path) -> PlatformState | None:
     if state.supervised() or any(p.alive() for p in state.processes):
         return state
     return None
+
+
+def venv_bin(name: str) -> str:
+    """The console script ``name`` of this installation (``airflow``, ``isbflow``) beside its python."""
+    cand = Path(sys.executable).parent / name
+    if not cand.exists():
+        raise PlatformError(f"{name} not found next to {sys.executable}: install the project ('uv sync')")
+    return str(cand)

@@ -58,7 +58,13 @@ from pyspark.sql import functions as F
 
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.sinks.delta import check_schema, delta_arrow_schema, merge_upsert
-from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
+from isbflow.sinks.tables import (
+    SinkTableError,
+    find_raw_sink,
+    read_version,
+    sink_table_path,
+    sink_vertex,
+)
 from isbflow.spec.models import OutputMode, Pipeline
 from isbflow.spec.transforms import load_transform
 from isbflow.steps.runner import ERROR_COLUMN
@@ -76,12 +82,9 @@ class AggregateError(Exception):
 def update_step_of(pipeline: Pipeline, sink: str) -> tuple[str, list[str]]:
     """(the ``udf.output: update`` step feeding sink ``sink``, its keys); AggregateError if none."""
     try:
-        v = pipeline.vertex(sink)
-    except KeyError:
-        v = None
-    if v is None or v.sink is None:
-        sinks = [x.name for x in pipeline.spec.vertices if x.sink is not None]
-        raise AggregateError(f"pipeline {pipeline.name!r} has no sink vertex {sink!r} (sinks: {', '.join(sinks)})")
+        sink_vertex(pipeline, sink)
+    except SinkTableError as e:
+        raise AggregateError(str(e)) from None
     for e in pipeline.inputs(sink):
         up = pipeline.vertex(e.from_)
         if up.udf is not None and up.udf.output == OutputMode.UPDATE:

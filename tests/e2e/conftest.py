@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.platform import Scenario, demo_scenario
+from tests.helpers.live_platform import Scenario, demo_scenario
 
 
 @pytest.fixture(scope="session")

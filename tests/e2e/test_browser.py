@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from isbflow import platform
-from tests.helpers.platform import ROOT, Api, steps_running, wait_for
+from tests.helpers.live_platform import ROOT, Api, steps_running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -25,7 +25,7 @@ import pytest
 from isbflow import platform
 from isbflow.isb import server as nats_server
 from isbflow.steps import launch as launcher
-from tests.helpers.platform import (
+from tests.helpers.live_platform import (
     ROOT,
     Api,
     Scenario,
