@@ -58,9 +58,11 @@ class Catalog:
 def load_catalog(directory: str | Path) -> Catalog:
     """Every pipeline of every spec file under ``directory`` (recursively, sorted by file)."""
     from isbflow.spec import SpecError, load_specs
+    from isbflow.spec.load import name_collisions
 
     cat = Catalog(Path(directory))
     seen: dict[str, str] = {}
+    loaded = []
     for name in pipeline_files(cat.directory):
         try:
             specs = load_specs([cat.directory / name])
@@ -68,6 +70,15 @@ def load_catalog(directory: str | Path) -> Catalog:
             cat.errors[name] = str(e)
             log.warning("spec %s does not load; its pipelines get no generated DAGs:\n%s", name, e)
             continue
+        clash = [str(problem) for problem in name_collisions(*loaded, specs)]
+        if clash:
+            # a later file whose derived names another file already claims gets no DAGs: running
+            # both would point two pipelines at one stream or bucket
+            cat.errors[name] = "\n".join(clash)
+            log.warning("spec %s claims derived names another spec holds; its pipelines get no "
+                        "generated DAGs:\n%s", name, cat.errors[name])
+            continue
+        loaded.append(specs)
         for p in specs.pipelines.values():
             if p.name in seen:
                 cat.errors[name] = (f"{name}: pipeline {p.name!r} is already defined in {seen[p.name]}; "

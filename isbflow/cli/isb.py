@@ -86,6 +86,9 @@ def apply(
     The service is checked first: at least jetstream.replicas servers, and an
     embedded server under --data-dir running with the spec's store limits.
 
+    A stream whose metadata names another owner (another pipeline or edge that
+    derives the same name) is never updated or recreated, whatever the flags.
+
     Exit 0 when the server now matches the spec; 1 when a change was refused
     (each refused buffer, field, old -> new and unread count is named) or the
     server refused a change.
@@ -120,7 +123,8 @@ def apply(
 
 
 _NEEDS = {"safe": "", "may-discard": " (apply needs --force when a buffer holds unread messages)",
-          "recreate": " (apply needs --recreate, and --force when the buffer holds messages)"}
+          "recreate": " (apply needs --recreate, and --force when the buffer holds messages)",
+          "foreign": " (apply and delete refuse it, whatever the flags: its metadata names another owner)"}
 
 
 def _print_report(report: ops_isb.ProvisionReport) -> None:
@@ -173,7 +177,7 @@ def diff(
             table.add_column(column, no_wrap=column in ("field", "class"))
         for d in drifts:
             j = d.to_json()
-            style = {"may-discard": "red", "recreate": "yellow"}.get(d.cls.value)
+            style = {"may-discard": "red", "recreate": "yellow", "foreign": "red"}.get(d.cls.value)
             table.add_row(d.resource, d.field, str(j["spec"]), str(j["server"]), d.cls.value,
                           "" if d.unread is None else str(d.unread), style=style)
         console.print(table)
@@ -236,7 +240,9 @@ def delete(
     """Delete the pipeline's streams and KV buckets, and every message in them.
 
     Asks for confirmation on a terminal; without a terminal it refuses (exit 2)
-    unless --yes is given. Missing resources are skipped.
+    unless --yes is given. Missing resources are skipped. A stream whose metadata
+    names another owner (another pipeline or edge deriving the same name) is never
+    deleted: the run is refused and nothing is deleted (exit 1).
 
     Example: isbflow isb delete -f pipelines/logs.yaml --yes
     """
@@ -248,7 +254,12 @@ def delete(
         if not typer.confirm(f"Delete {count} streams/buckets of pipeline {name} on {settings.display}, "
                              "with all their messages?"):
             fail("nothing deleted", 1)
-    deleted = call(ops_isb.delete, settings, specs, name)
+    try:
+        deleted = call(ops_isb.delete, settings, specs, name)
+    except ops_isb.ProvisionError as e:
+        if json_out and e.report is not None:
+            print_json({**e.report.to_json(), "deleted": [], "error": str(e)})
+        fail(str(e))
     if json_out:
         print_json({"pipeline": name, "deleted": deleted})
     else:

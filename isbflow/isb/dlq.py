@@ -7,6 +7,12 @@ stream (``naming.dlq_stream(pipeline)``, subjects ``isb.<pipeline>.dlq.>``,
 created by provisioning) on ``naming.dlq_subject(pipeline, vertex)``, and the
 rest of the batch flows on.
 
+The dead-letter stream's settings are its own: ``bufferConfig.deadLetter`` of the
+ISB service (:class:`isbflow.spec.models.DeadLetterConfig`; by default file storage,
+Limits retention, 100,000 letters, 256MiB, 7 days), never the buffers'
+``bufferConfig.stream``. When bounded it refuses new letters once full (discard
+``new``): the publish fails and the step with it, rather than a letter vanishing.
+
 Format of one dead letter (one NATS message):
 
 - headers ``Isb-Reason`` (one line, at most 512 chars), ``Isb-Step`` (the

@@ -4,12 +4,15 @@ A name is a pure function of the spec, so any process (a Spark executor, the
 CLI, an Airflow worker) derives the same stream, subject or bucket without
 asking anyone. Spec names are already restricted to ``[a-z0-9-]`` (see
 :mod:`isbflow.spec.models`), which is safe in stream names, subjects and paths.
+The scheme itself lives in :mod:`isbflow.spec.derived`, where validation also
+checks that no two entries of the specs loaded together derive the same name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from isbflow.spec import derived
 from isbflow.spec.models import Pipeline
 
 
@@ -24,11 +27,11 @@ class EdgePartition:
 
     @property
     def stream(self) -> str:
-        return f"isb-{self.pipeline}-{self.from_vertex}-{self.to_vertex}-{self.partition}"
+        return derived.edge_stream(self.pipeline, self.from_vertex, self.to_vertex, self.partition)
 
     @property
     def subject(self) -> str:
-        return f"isb.{self.pipeline}.{self.from_vertex}.{self.to_vertex}.{self.partition}"
+        return derived.edge_subject(self.pipeline, self.from_vertex, self.to_vertex, self.partition)
 
 
 def edge_partitions(pipeline: Pipeline) -> list[EdgePartition]:
@@ -44,32 +47,37 @@ def source_stream(pipeline: Pipeline, vertex: str) -> str:
     """The stream holding an external JetStream source's subject."""
     v = pipeline.vertex(vertex)
     assert v.source and v.source.jetstream
-    return v.source.jetstream.stream or f"src-{pipeline.name}-{vertex}"
+    return derived.source_stream(pipeline.name, vertex, v.source.jetstream.stream)
 
 
 def dlq_stream(pipeline: str) -> str:
-    return f"isb-{pipeline}-dlq"
+    return derived.dlq_stream(pipeline)
 
 
 def dlq_subject(pipeline: str, vertex: str) -> str:
-    return f"isb.{pipeline}.dlq.{vertex}"
+    return derived.dlq_subject(pipeline, vertex)
+
+
+def dlq_subjects(pipeline: str) -> str:
+    """The dead-letter stream's subjects: ``isb.<pipeline>.dlq.>``."""
+    return derived.dlq_subjects(pipeline)
 
 
 def control_bucket(pipeline: str) -> str:
     """KV: desired state per step (``running``, ``draining``, ``stopped``)."""
-    return f"isbflow-{pipeline}-control"
+    return derived.control_bucket(pipeline)
 
 
 def status_bucket(pipeline: str) -> str:
     """KV: heartbeats, offsets, rates and lag per step."""
-    return f"isbflow-{pipeline}-status"
+    return derived.status_bucket(pipeline)
 
 
 def ledger_bucket(pipeline: str) -> str:
     """KV: source offsets each sink has committed (the offset ledger)."""
-    return f"isbflow-{pipeline}-ledger"
+    return derived.ledger_bucket(pipeline)
 
 
 def reference_bucket(pipeline: str, name: str) -> str:
     """KV: a reference table (one value per key) joined by a step."""
-    return f"isbflow-{pipeline}-ref-{name}"
+    return derived.reference_bucket(pipeline, name)

@@ -12,7 +12,11 @@ Streams take their configuration from the pipeline's ISB service
 ``maxAge`` -> max_age, ``maxBytes`` -> max_bytes, ``storage`` -> storage,
 ``replicas`` -> num_replicas, ``duplicates`` -> duplicate_window, and
 ``settings.max_payload`` -> max_msg_size; ``allow_direct`` is always on (readers
-use batched direct gets). Report fields use these JetStream names.
+use batched direct gets). Report fields use these JetStream names. The
+dead-letter stream takes the same fields from ``bufferConfig.deadLetter`` alone
+(its own defaults: file, Limits, 100,000 messages, 256MiB, 7 days; replicas those
+of ``bufferConfig.stream`` unless set), and refuses new letters when full
+(discard ``new`` whenever it is bounded): a letter never vanishes to make room.
 
 Discard policy: with ``Limits`` retention the limits *are* the retention rule, so
 the oldest messages go (``discard: old``); the reader notices a first sequence
@@ -30,8 +34,15 @@ A source whose spec names its ``stream:`` points at a stream its producers
 own: isbflow creates it when missing and otherwise leaves it alone.
 
 Every resource carries metadata ``isbflow.pipeline``, ``isbflow.role``, for edges
-``isbflow.edge`` and ``isbflow.partition``, and ``isbflow.spec-hash``: a hash of
-the managed fields as provisioned, so drift is detectable from the server alone.
+``isbflow.edge`` and ``isbflow.partition``, for sources ``isbflow.vertex``, and
+``isbflow.spec-hash``: a hash of the managed fields as provisioned, so drift is
+detectable from the server alone. The labels name the resource's **owner**: a stream
+whose metadata names another owner (another pipeline, edge or partition that derives
+the same name) is never updated, recreated or deleted, whatever the flags (``apply``
+and ``delete`` refuse the whole run; ``diff`` shows field ``owner``, class ``foreign``);
+a stream without owner metadata (from an older isbflow) is adopted. Validation refuses
+specs loaded together whose derived names collide (:mod:`isbflow.spec.derived`); the
+metadata guards specs that were never loaded together.
 
 Contract of :func:`apply` (idempotent; a second run reports every resource
 ``unchanged``), in two phases:
@@ -75,8 +86,10 @@ from isbflow.isb.provision_plan import (
     Holding,
     ResourcePlan,
     compare,
+    foreign_owner,
     holding,
     needs_age,
+    owner_text,
     refusal_message,
 )
 from isbflow.isb.provision_report import (
@@ -159,7 +172,8 @@ def _server_error(verb: str, r: Resource, settings: NatsSettings, e: Exception) 
     if replicas > 1 and ("replicas" in desc.lower() or "insufficient resources" in desc.lower()):
         hint = _replicas_hint(replicas)
     elif "insufficient storage" in desc.lower() and r.fields.get("max_bytes", -1) > 0:
-        hint = (f": JetStream reserves max_bytes ({r.fields['max_bytes']} bytes, bufferConfig.stream.maxBytes) "
+        where = "deadLetter" if r.labels.get("isbflow.role") == "dlq" else "stream"
+        hint = (f": JetStream reserves max_bytes ({r.fields['max_bytes']} bytes, bufferConfig.{where}.maxBytes) "
                 "for every stream up front; lower maxBytes, or give the server more "
                 f"{'memory' if r.fields['storage'] == StorageType.MEMORY else 'file'} store "
                 "(jetstream max_file_store / max_memory_store)")
@@ -295,6 +309,12 @@ async def _plan_one(js: JetStreamContext, r: Resource) -> ResourcePlan:
     if info is None or not r.managed:
         held = Holding(info.state.messages, info.state.bytes, info.state.messages) if info else Holding()
         return ResourcePlan(r, info, holding=held)
+    owner = foreign_owner(r, info.config.metadata)
+    if owner:  # someone else's stream: nothing of it is ours to compare or change
+        held = Holding(info.state.messages, info.state.bytes, info.state.messages)
+        change = FieldChange("owner", owner, owner_text(r.labels), ChangeClass.FOREIGN,
+                             "the stream's metadata names another owner: never updated, recreated or deleted")
+        return ResourcePlan(r, info, [change], None, held, owner=owner)
     held = await holding(js, r, info, needs_age(r, info.config))
     changes, meta = compare(r, info.config, held)
     return ResourcePlan(r, info, changes, meta, held)
@@ -437,17 +457,33 @@ async def status(settings: NatsSettings, specs: Specs, pipeline: str | None = No
 async def delete(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[str]:
     """Delete the pipeline's streams and buckets (their data is lost); returns the names deleted.
 
-    Unmanaged source streams (named in the spec with ``stream:``) are kept.
+    Unmanaged source streams (named in the spec with ``stream:``) are kept. All or nothing:
+    when any stream's metadata names another owner (:func:`isbflow.isb.provision_plan.foreign_owner`),
+    :class:`ProvisionRefused` names each one and nothing is deleted.
     """
-    resources = desired_resources(specs, pipeline)
+    resources = [r for r in desired_resources(specs, pipeline) if r.managed]
     deleted: list[str] = []
     async with _jetstream(settings) as (_, js):
+        plans = []
         for r in resources:
-            if not r.managed:
+            info = await _info(js, r.stream)
+            plans.append(ResourcePlan(r, info, owner=foreign_owner(r, info.config.metadata) if info else ""))
+        foreign = [p for p in plans if p.owner]
+        if foreign:
+            report = ProvisionReport(select_pipeline(specs, pipeline).name, [
+                ResourceResult(p.resource.name, p.resource.kind, Action.REFUSED if p.owner else Action.SKIPPED,
+                               message=f"owned by {p.owner}" if p.owner else "")
+                for p in plans if p.exists])
+            lines = "\n".join(f"  {p.resource.name}: owned by {p.owner}, not by {owner_text(p.resource.labels)}"
+                              for p in foreign)
+            raise ProvisionRefused(f"refused, nothing was deleted: {len(foreign)} stream(s) carry metadata naming "
+                                   f"another owner (isbflow never deletes another owner's stream):\n{lines}", report)
+        for p in plans:
+            if not p.exists:
                 continue
             try:
-                await js.delete_stream(r.stream)
+                await js.delete_stream(p.resource.stream)
             except NotFoundError:
                 continue
-            deleted.append(r.name)
+            deleted.append(p.resource.name)
     return deleted

@@ -25,6 +25,12 @@ judged against what the stream holds *now* (:class:`Holding`):
 - ``safe`` (*in place, safe*): everything else (replicas, duplicates window, max_msg_size,
   subjects, description, metadata, raised limits, discard ``old`` -> ``new``).
 
+*Owner*: every stream isbflow creates carries metadata naming its owner (``isbflow.pipeline``,
+``isbflow.role``, and ``isbflow.edge``/``isbflow.partition`` or ``isbflow.vertex``). A stream
+whose metadata names another owner (two specs that derive the same name, loaded apart) is
+*foreign* (:func:`foreign_owner`): no flag lets a run update, recreate or delete it. A stream
+without owner metadata (created by an older isbflow) is adopted.
+
 *Unread* messages: for a WorkQueue or Interest stream, every message it holds (isbflow
 purges what was committed downstream); for a Limits stream read by a vertex, the
 messages above the sequence that vertex committed (status bucket key
@@ -67,6 +73,32 @@ class Holding:
     bytes: int = 0
     unread: int = 0
     oldest_unread_age: float | None = None
+
+
+#: metadata keys that name a stream's owner, compared key by key when both sides have one
+OWNER_KEYS = ("isbflow.pipeline", "isbflow.role", "isbflow.vertex", "isbflow.edge", "isbflow.partition")
+
+
+def owner_text(labels: dict[str, str]) -> str:
+    """Who ``labels`` name as owner, in words (``pipeline p, buffer a->b partition 0``)."""
+    out = f"pipeline {labels.get('isbflow.pipeline', '?')}"
+    role = labels.get("isbflow.role")
+    if "isbflow.edge" in labels:
+        out += f", buffer {labels['isbflow.edge']} partition {labels.get('isbflow.partition', '?')}"
+    elif "isbflow.vertex" in labels:
+        out += f", {role or 'vertex'} {labels['isbflow.vertex']}"
+    elif role:
+        out += f", {role}"
+    return out
+
+
+def foreign_owner(r: Resource, metadata: dict[str, str] | None) -> str:
+    """The owner a stream's ``metadata`` names when it is not ``r``'s; "" when it is ``r``'s or
+    names nobody (a stream from an older isbflow, adopted)."""
+    meta = metadata or {}
+    if any(k in meta and k in r.labels and meta[k] != r.labels[k] for k in OWNER_KEYS):
+        return owner_text(meta)
+    return ""
 
 
 def _tightened(have: Any, want: Any) -> bool:
@@ -128,6 +160,7 @@ class ResourcePlan:
     meta: FieldChange | None = None
     holding: Holding = field(default_factory=Holding)
     refusal: str = ""  # why this resource's changes may not be applied ("" when they may)
+    owner: str = ""  # the other owner the server's stream names (:func:`foreign_owner`), "" when ours
 
     @property
     def exists(self) -> bool:
@@ -144,6 +177,8 @@ class ResourcePlan:
             return Action.CREATED
         if not self.resource.managed:
             return Action.UNCHANGED
+        if self.owner:
+            return Action.REFUSED
         if self.needs_recreate:
             return Action.RECREATED
         return Action.UPDATED if self.changes or self.meta is not None else Action.UNCHANGED
@@ -153,6 +188,11 @@ class ResourcePlan:
         messages); a change that may discard unread messages needs ``force``."""
         self.refusal = ""
         if not self.exists or not self.resource.managed:
+            return
+        if self.owner:
+            self.refusal = ("its metadata names another owner: isbflow never updates, recreates or deletes "
+                            "another owner's stream, whatever the flags; two specs derive this name: validate "
+                            "them together (isbflow validate -f A -f B) and rename one")
             return
         held, unread = self.holding.messages, self.holding.unread
         if self.needs_recreate:
@@ -179,6 +219,9 @@ class ResourcePlan:
     def refusal_lines(self) -> list[str]:
         """One line per refused change: stream, field, old -> new, class, unread count, why."""
         name, unread = self.resource.name, self.holding.unread
+        if self.owner:
+            return [f"{name}: owned by {self.owner}, not by {owner_text(self.resource.labels)}: "
+                    f"{ChangeClass.FOREIGN.label}, {self.holding.messages} message(s)"]
         risky = [c for c in self.changes if c.cls != ChangeClass.SAFE]
         return [f"{name}: {c.field} {plain(c.old)} -> {plain(c.new)}: {c.cls.label}, {unread} unread "
                 f"message(s){f' ({c.reason})' if c.reason else ''}" for c in risky]
@@ -227,8 +270,8 @@ def needs_age(r: Resource, config: StreamConfig) -> bool:
 def refusal_message(plans: list[ResourcePlan]) -> str:
     """The error of a refused run: what was refused, line by line, and how to proceed."""
     refused = [p for p in plans if p.refusal]
-    lines = [f"refused, nothing was applied: {len(refused)} resource(s) hold data a change could lose "
-             "or need a recreate"]
+    lines = [f"refused, nothing was applied: {len(refused)} resource(s) hold data a change could lose, "
+             "need a recreate or belong to another owner"]
     for p in refused:
         lines.extend(f"  {line}" for line in p.refusal_lines())
         lines.append(f"    -> {p.refusal}")

@@ -15,11 +15,12 @@ class ChangeClass(StrEnum):
     SAFE = "safe"
     MAY_DISCARD = "may-discard"
     RECREATE = "recreate"
+    FOREIGN = "foreign"  # the stream's metadata names another owner: never changed, whatever the flags
 
     @property
     def label(self) -> str:
         return {"safe": "in place, safe", "may-discard": "may discard unread messages",
-                "recreate": "needs a recreate"}[self.value]
+                "recreate": "needs a recreate", "foreign": "owned by another pipeline or edge"}[self.value]
 
 
 class Action(StrEnum):

@@ -1,6 +1,8 @@
 """The desired state of provisioning: every stream and KV bucket a pipeline's spec asks for. Pure.
 
 See :mod:`isbflow.isb.provision` for how each spec field maps to a JetStream config field.
+The dead-letter stream is configured by ``bufferConfig.deadLetter`` alone
+(:class:`isbflow.spec.models.DeadLetterConfig`: its own defaults, never ``bufferConfig.stream``'s).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from isbflow.isb import naming
 from isbflow.spec.load import Specs
 from isbflow.spec.models import Pipeline, Retention, Storage
+from isbflow.spec.models import StreamConfig as StreamSpec
 
 Kind = Literal["stream", "kv", "server"]  # "server": the ISB service itself (diff only)
 
@@ -91,29 +94,43 @@ def discard_policy(retention: Retention, max_msgs: int, max_bytes: int) -> Disca
     return DiscardPolicy.NEW if bounded and retention != Retention.LIMITS else DiscardPolicy.OLD
 
 
-def desired_resources(specs: Specs, pipeline: str | None = None) -> list[Resource]:
-    """Every stream and bucket the pipeline needs, configured from its ISB service. Pure."""
-    p = select_pipeline(specs, pipeline)
-    jet = specs.service_for(p).spec.jetstream
-    sc = jet.bufferConfig.stream
+def stream_fields(sc: StreamSpec, max_payload: int, replicas: int, discard: DiscardPolicy) -> dict[str, Any]:
+    """The managed JetStream fields of a stream configured by ``sc`` (``bufferConfig.stream`` or
+    ``bufferConfig.deadLetter``)."""
     duplicates = sc.duplicates or (min(_DEFAULT_DUPLICATES, sc.maxAge) if sc.maxAge else _DEFAULT_DUPLICATES)
-    base = {
+    return {
         "retention": RETENTION[sc.retention],
         "storage": STORAGE[sc.storage],
         "max_msgs": sc.maxMsgs,
         "max_bytes": sc.maxBytes,
         "max_age": sc.maxAge,
-        "num_replicas": sc.replicas,
+        "num_replicas": replicas,
         "duplicate_window": duplicates,
-        "max_msg_size": jet.settings.max_payload,
-        "discard": discard_policy(sc.retention, sc.maxMsgs, sc.maxBytes),
+        "max_msg_size": max_payload,
+        "discard": discard,
         "allow_direct": True,
     }
+
+
+def dead_letter_discard(dl: StreamSpec) -> DiscardPolicy:
+    """``new`` whenever the dead-letter stream is bounded: a full one refuses letters, never drops one."""
+    return DiscardPolicy.NEW if dl.maxMsgs > 0 or dl.maxBytes > 0 else DiscardPolicy.OLD
+
+
+def desired_resources(specs: Specs, pipeline: str | None = None) -> list[Resource]:
+    """Every stream and bucket the pipeline needs, configured from its ISB service. Pure."""
+    p = select_pipeline(specs, pipeline)
+    jet = specs.service_for(p).spec.jetstream
+    sc, dl = jet.bufferConfig.stream, jet.bufferConfig.deadLetter
+    base = stream_fields(sc, jet.settings.max_payload, sc.replicas,
+                         discard_policy(sc.retention, sc.maxMsgs, sc.maxBytes))
+    dead = stream_fields(dl, jet.settings.max_payload, jet.bufferConfig.dead_letter_replicas,
+                         dead_letter_discard(dl))
     out: list[Resource] = []
 
     def stream(name: str, subjects: list[str], description: str, managed: bool = True,
-               reader: str | None = None, **labels: str) -> None:
-        fields = {**base, "subjects": subjects, "description": description}
+               reader: str | None = None, config: dict[str, Any] = base, **labels: str) -> None:
+        fields = {**config, "subjects": subjects, "description": description}
         out.append(Resource(name, "stream", fields, {"isbflow.pipeline": p.name, **labels}, managed, reader))
 
     for v in p.spec.vertices:
@@ -128,8 +145,8 @@ def desired_resources(specs: Specs, pipeline: str | None = None) -> list[Resourc
                reader=ep.to_vertex,
                **{"isbflow.role": "edge", "isbflow.edge": f"{ep.from_vertex}->{ep.to_vertex}",
                   "isbflow.partition": str(ep.partition)})
-    stream(naming.dlq_stream(p.name), [f"isb.{p.name}.dlq.>"],
-           f"isbflow pipeline {p.name}: dead letters", **{"isbflow.role": "dlq"})
+    stream(naming.dlq_stream(p.name), [naming.dlq_subjects(p.name)],
+           f"isbflow pipeline {p.name}: dead letters", config=dead, **{"isbflow.role": "dlq"})
     storage = StorageType.FILE if jet.persistence else StorageType.MEMORY
     for role, bucket in (("control", naming.control_bucket(p.name)), ("status", naming.status_bucket(p.name)),
                          ("ledger", naming.ledger_bucket(p.name))):

@@ -67,6 +67,7 @@ from isbflow.sinks.tables import (
 )
 from isbflow.spec.models import OutputMode, Pipeline
 from isbflow.spec.transforms import load_transform
+from isbflow.steps.restart import retry_transient
 from isbflow.steps.runner import ERROR_COLUMN
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
         return 0  # no source record selected: no window touched
     df, raw_name, raw_version = recompute(spark, runner_or_pipeline, sink, data_dir, windows_filter,
                                           raw_sink=raw_sink)
-    rows = df.toArrow()
+    rows = retry_transient(df.toArrow, f"recomputing the windows of {sink}")
     rows = rows.cast(delta_arrow_schema(rows.schema))
     path = sink_table_path(p, sink, data_dir)
     metadata = {"isb.raw_sink": raw_name, "isb.raw_version": raw_version,

@@ -98,6 +98,7 @@ from isbflow.recovery.reprocess_windows import (
 from isbflow.sinks.delta import delta_arrow_schema, read_ids, replace_keys, sink_version
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
+from isbflow.steps.restart import retry_transient
 from isbflow.steps.runner import PipelineRunner
 
 log = logging.getLogger(__name__)
@@ -389,7 +390,7 @@ class _Reprocess:
         df = self.rows.output(v)
         if df is None:
             df = self.spark.createDataFrame([], self.runner.input_schema(v))
-        rows = df.toArrow()
+        rows = retry_transient(df.toArrow, f"reprocessing the rows of {v}")
         rows = rows.cast(delta_arrow_schema(rows.schema))
         outside = int((~in_ranges(rows.column(ledger.ID_COLUMN), rng)).sum())
         if outside:

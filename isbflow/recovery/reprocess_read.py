@@ -32,6 +32,7 @@ from isbflow.isb import state as st
 from isbflow.isb.read import read_range, stream_state
 from isbflow.recovery.reprocess_plan import RangeError, ReprocessError, Source, in_ranges
 from isbflow.spec.models import Pipeline
+from isbflow.steps.restart import retry_transient
 from isbflow.steps.runner import ERROR_COLUMN
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class RangeRows:
                   .option("startingOffsets", json.dumps({s.stream: {"seq": lo - 1}}))
                   .option("endingOffsets", json.dumps({s.stream: {"seq": hi}})).load())
         parsed = self.parsed[s.partition] = self._cache(self.runner.apply_transform(s.vertex, events))
-        n = parsed.count()
+        n = retry_transient(parsed.count, f"reading {s.stream}")
         good = parsed.filter(F.col(ERROR_COLUMN).isNull()).drop(ERROR_COLUMN, "_isb_raw")
         self.source_rows[s.vertex] = good
         if not by_time:
@@ -93,12 +94,13 @@ class RangeRows:
         if t_hi is not None:
             good = good.filter(c < F.lit(t_hi))
         good = self.source_rows[s.vertex] = self._cache(good)
-        ids = good.select(ledger.ID_COLUMN).toArrow().column(ledger.ID_COLUMN)
+        ids = retry_transient(good.select(ledger.ID_COLUMN).toArrow, f"reading {s.stream}").column(ledger.ID_COLUMN)
         return SourceRead(n, len(ids), ledger.id_ranges(ids).get(s.partition))
 
     def malformed(self, s: Source) -> int:
         """The malformed records :meth:`read` found in ``s`` (skipped: already dead-lettered)."""
-        return self.parsed[s.partition].filter(F.col(ERROR_COLUMN).isNotNull()).count()
+        return retry_transient(self.parsed[s.partition].filter(F.col(ERROR_COLUMN).isNotNull()).count,
+                               f"counting malformed records of {s.stream}")
 
     def _cache(self, df):
         df = df.persist()

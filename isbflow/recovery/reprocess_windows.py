@@ -41,6 +41,7 @@ from isbflow.recovery.job import dimension_columns
 from isbflow.recovery.reprocess_plan import RangeError, ReprocessError, Source, event_time_column
 from isbflow.sinks.delta import delta_arrow_schema, replace_keys, sink_version
 from isbflow.sinks.tables import read_version
+from isbflow.steps.restart import retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def windows_of(runner, plan: AggPlan, rows_df) -> pa.Table:
         raise ReprocessError(f"aggregate sink {plan.sink!r}: {plan.steps[-1]!r} gives no window_start column "
                              f"({', '.join(out.columns)}); its windows cannot be recomputed")
     cols = ["window_start", *(["window_end"] if "window_end" in out.columns else [])]
-    return out.select(*cols).distinct().toArrow()
+    return retry_transient(out.select(*cols).distinct().toArrow, f"the windows of {plan.sink}")
 
 
 def old_windows(spark, runner, plan: AggPlan, rng: ledger.PartitionRanges) -> pa.Table | None:
@@ -194,13 +195,14 @@ def replace_windows(spark, runner, plan: AggPlan, path: str, new_rows, sources: 
         return out
     out.windows_touched = windows.num_rows
     time_columns = [c for c in (s.time_column or first_stamp(runner, s.vertex) for s in sources) if c]
-    rows = recomputed(spark, runner, plan, windows, time_columns).toArrow()
+    rows = retry_transient(recomputed(spark, runner, plan, windows, time_columns).toArrow,
+                           f"recomputing the windows of {plan.sink}")
     rows = rows.cast(delta_arrow_schema(rows.schema))
     touched = spark.createDataFrame(windows.select(["window_start"]))
 
     def attempt():
         old = read_version(spark, path)[0].join(F.broadcast(touched), "window_start", "left_semi")
-        old_keys = old.select(*plan.keys).toArrow()
+        old_keys = retry_transient(old.select(*plan.keys).toArrow, f"the old windows of {plan.sink}")
         out.rows_before = old_keys.num_rows
         return replace_keys(path, rows, old_keys, key=plan.keys, metadata=metadata)
 

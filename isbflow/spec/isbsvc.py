@@ -50,11 +50,35 @@ class StreamConfig(SpecModel):
     duplicates: Duration = 120.0
 
 
+class DeadLetterConfig(StreamConfig):
+    """``bufferConfig.deadLetter``: the dead-letter stream's own settings (isbflow only; the same
+    fields as ``bufferConfig.stream``, none taken from it).
+
+    Defaults: file storage, ``Limits`` retention, ``maxMsgs`` 100,000, ``maxBytes`` 256MiB,
+    ``maxAge`` 7 days, duplicates 2m; ``replicas`` follows ``bufferConfig.stream.replicas``
+    unless set. A bounded dead-letter stream refuses new letters when full (discard ``new``,
+    whatever the retention), so a step fails loudly instead of a letter vanishing; ``maxAge``
+    still expires letters older than it.
+    """
+
+    maxMsgs: StrictInt = Field(default=100_000, ge=-1)
+    maxAge: Duration = 7 * 24 * 3600.0
+    maxBytes: Size = 256 * 1024**2
+    replicas: StrictInt | None = Field(default=None, ge=1, le=5)
+
+
 class BufferConfig(SpecModel):
-    """``bufferConfig``: the buffers' stream settings. Numaflow's ``consumer``, ``otBucket``
+    """``bufferConfig``: the buffers' stream settings (``stream``) and the dead-letter stream's
+    (``deadLetter``, :class:`DeadLetterConfig`). Numaflow's ``consumer``, ``otBucket``
     and ``procBucket`` are refused (:data:`isbflow.spec.numaflow.FIELDS` says why)."""
 
     stream: StreamConfig = Field(default_factory=StreamConfig)
+    deadLetter: DeadLetterConfig = Field(default_factory=DeadLetterConfig)
+
+    @property
+    def dead_letter_replicas(self) -> int:
+        """The dead-letter stream's replicas: its own when set, else the buffers'."""
+        return self.deadLetter.replicas or self.stream.replicas
 
 
 class JetStreamSettings(SpecModel):
@@ -128,10 +152,12 @@ class JetStreamService(SpecModel):
 
     @model_validator(mode="after")
     def _stream_replicas(self) -> JetStreamService:
-        wanted = self.bufferConfig.stream.replicas
-        if self.replicas is not None and wanted > self.replicas:
-            raise ValueError(f"bufferConfig.stream.replicas is {wanted} but replicas (JetStream servers) is "
-                             f"{self.replicas}: a stream cannot have more replicas than the service has servers")
+        for name, wanted in (("stream", self.bufferConfig.stream.replicas),
+                             ("deadLetter", self.bufferConfig.deadLetter.replicas)):
+            if self.replicas is not None and wanted is not None and wanted > self.replicas:
+                raise ValueError(f"bufferConfig.{name}.replicas is {wanted} but replicas (JetStream servers) is "
+                                 f"{self.replicas}: a stream cannot have more replicas than the service has "
+                                 "servers")
         return self
 
     @field_validator("url")

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from isbflow.spec import numaflow
+from isbflow.spec import derived, numaflow, transforms
 from isbflow.spec.errors import SpecError, SpecProblem
 from isbflow.spec.graph import check_graph
 from isbflow.spec.messages import Loc, describe, field_path, shown, suggest
@@ -48,6 +48,8 @@ class Specs:
     services: dict[str, InterStepBufferService] = field(default_factory=dict)
     pipelines: dict[str, Pipeline] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # "Kind/name" -> file
+    #: "Kind/name" -> its document's YAML node (for line numbers of rules checked after loading)
+    nodes: dict[str, yaml.Node] = field(default_factory=dict, repr=False, compare=False)
 
     def service_for(self, pipeline: Pipeline) -> InterStepBufferService:
         return self.services[pipeline.spec.interStepBufferServiceName]
@@ -318,7 +320,10 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
             declared[key] = doc
             if obj is None:
                 continue
+            if isinstance(obj, Pipeline):
+                problems.extend(_transform_problems(doc, obj))
             specs.files[key] = doc.file
+            specs.nodes[key] = doc.node
             if isinstance(obj, Pipeline):
                 specs.pipelines[obj.name] = obj
             elif isinstance(obj, InterStepBufferService):
@@ -332,11 +337,57 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
         spec = doc.data.get("spec")
         if isinstance(spec, dict):
             problems.extend(doc.problem(("spec",) + loc, msg) for loc, msg in check_graph(spec, services))
+    problems.extend(name_collisions(specs))
     if problems:
         # by file in the order given, then by line: the order a user fixes them in
         order = {f: i for i, f in reversed(list(enumerate(p.file for p in problems)))}
         raise SpecError(sorted(problems, key=lambda p: (order[p.file], p.line or 0, p.column or 0)))
     return specs
+
+
+def name_collisions(*loaded: Specs) -> list[SpecProblem]:
+    """Every derived stream, subject or bucket name (:mod:`isbflow.spec.derived`) that two entries
+    of the pipelines in ``loaded`` claim, located at the later entry and naming the earlier one.
+
+    :func:`load_specs` checks the files it loads together; a caller that loads files one by one
+    (the Airflow catalog) passes every result here to check across them.
+    """
+    located: dict[str, tuple[str, yaml.Node]] = {}
+    claims: list[derived.Claim] = []
+    for specs in loaded:
+        for name, p in specs.pipelines.items():
+            key = f"Pipeline/{name}"
+            if key in specs.nodes and name not in located:
+                located[name] = (specs.files[key], specs.nodes[key])
+                claims.extend(derived.claims(p))
+    problems = []
+    for c, o in derived.collisions(claims):
+        file, node = located[c.pipeline]
+        o_file, o_node = located[o.pipeline]
+        where = f"{field_path(o.loc)} ({o.what}, line {_line_of(o_node, o.loc)})"
+        if o.pipeline != c.pipeline:
+            where = f"pipeline {o.pipeline}'s {where}"
+        if o_file != file:
+            where = f"{where} in {o_file}"
+        verb = "is also derived" if c.name == o.name else f"overlaps {o.name!r}, derived"
+        problems.append(SpecProblem(file, field_path(c.loc), (
+            f"derived {c.kind} name {c.name!r} ({c.what}) {verb} from {where}: "
+            "derived names join names with '-', so different names can give the same one; rename one "
+            "of them (isbflow never changes a derived name: existing buffers keep theirs)"),
+            _line_of(node, c.loc)))
+    return problems
+
+
+def _transform_problems(doc: _Document, p: Pipeline) -> list[SpecProblem]:
+    """Each udf's transform resolved now (:mod:`isbflow.spec.transforms`), not when its step starts."""
+    root, allowed = transforms.allowed_packages(doc.file, p.spec.transformPackages)
+    out = []
+    for i, v in enumerate(p.spec.vertices):
+        if v.udf is not None:
+            problem = transforms.check_transform(v.udf.transform, root, allowed, [r.name for r in v.udf.references])
+            if problem:
+                out.append(doc.problem(("spec", "vertices", i, "udf", "transform"), problem))
+    return out
 
 
 def _raw_name(data: dict) -> str | None:

@@ -52,6 +52,7 @@ from isbflow.spec.fields import (  # noqa: F401 - re-exported
 from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
     AuthConfig,
     BufferConfig,
+    DeadLetterConfig,
     InterStepBufferService,
     InterStepBufferServiceSpec,
     JetStreamService,
@@ -63,6 +64,7 @@ from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
 )
 from isbflow.spec.names import VERTEX_ROLES
 from isbflow.spec.times import check_time_expression, parse_duration  # noqa: F401 - re-exported
+from isbflow.spec.transforms import declared_package_problem
 
 SOURCE_KINDS = ("jetstream", "files")
 
@@ -185,7 +187,8 @@ _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class Udf(SpecModel):
-    """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame).
+    """A Spark step: ``transform`` names ``module:function`` (DataFrame -> DataFrame), resolved when
+    the spec is loaded (:mod:`isbflow.spec.transforms` says from where).
 
     ``output: update`` (with ``keys``, the columns that identify a result row,
     e.g. ``[window_start, service]``) is for a streaming aggregation: every
@@ -380,7 +383,13 @@ class Replay(SpecModel):
         return self
 
 
+_PACKAGE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+
+
 class PipelineSpec(SpecModel):
+    """``transformPackages``: packages (besides the project's ``spark_apps`` and the package
+    holding the spec) whose modules the udfs' transforms may name; see :mod:`isbflow.spec.transforms`."""
+
     interStepBufferServiceName: Name = "default"
     limits: Limits | None = None
     vertices: list[Vertex]
@@ -388,6 +397,18 @@ class PipelineSpec(SpecModel):
     quality: list[SinkQuality] = Field(default_factory=list)
     replays: list[Replay] = Field(default_factory=list)
     autoRecover: bool = False
+    transformPackages: list[str] = Field(default_factory=list)
+
+    @field_validator("transformPackages")
+    @classmethod
+    def _packages(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not isinstance(name, str) or not _PACKAGE_RE.match(name):
+                raise ValueError(f"{name!r} is not a Python package name (e.g. acme_transforms or acme.etl)")
+            problem = declared_package_problem(name)
+            if problem:
+                raise ValueError(problem)
+        return v
 
     @field_validator("replays")
     @classmethod

@@ -1,17 +1,32 @@
 """Which query failures are transient, and how the runner restarts a query that hit one.
 
-One policy for every place that runs steps (the runner in a normal run, recover's
-replay and reprocess run the runner too): a transient failure (a Python worker
+One policy for every place that runs Spark work: the runner restarts a streaming
+query (a normal run, and recover's replay, which runs the runner), and
+:func:`retry_transient` runs a batch action again (reprocess's range reads and
+sink rewrites, the window recomputes). A transient failure (a Python worker
 that missed Spark's connect-back window on a loaded machine, a read consumer
-placed on a replica still catching up) restarts the query from its checkpoint
-with a growing wait; anything else fails the step at once with a one-line
-summary (:func:`error_summary`).
+placed on a replica still catching up) is tried again with a growing wait;
+anything else fails at once with a one-line summary (:func:`error_summary`).
+
+Spark offers no setting that widens the connect-back window: in Spark 4.3.0
+``PythonWorkerFactory.createSimpleWorker`` waits a fixed 10,000 ms
+(``Selector.select(10000L)`` before "Timed out while waiting for the Python
+worker to connect back"); the daemon path that ``spark.python.use.daemon``
+controls is not the one Python data sources' driver-side workers take. So the
+cure is to try again, not to wait longer.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CAUSE_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Lost|NotFound|Full)): (.+)$")
 
@@ -65,3 +80,29 @@ class RestartPolicy:
 
 
 DEFAULT_RESTARTS = RestartPolicy()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of :data:`TRANSIENT_FAILURES` (worth running again)."""
+    text = str(exc)
+    return any(m in text for m in TRANSIENT_FAILURES)
+
+
+def retry_transient(action: Callable[[], T], what: str, policy: RestartPolicy = DEFAULT_RESTARTS,
+                    sleep: Callable[[float], None] = time.sleep) -> T:
+    """``action()``; run again after :meth:`RestartPolicy.wait_before` when it fails transiently,
+    at most ``policy.max_restarts`` more times. For Spark batch actions that only read or only
+    build a result (a count, a ``toArrow``), so running one again changes nothing.
+    ``what`` names the action in the log."""
+    n = 0
+    while True:
+        try:
+            return action()
+        except Exception as e:
+            if n >= policy.max_restarts or not is_transient(e):
+                raise
+            n += 1
+            wait = policy.wait_before(n)
+            log.warning("%s failed transiently (%s); attempt %d of %d in %.0fs", what,
+                        str(e).splitlines()[0][:200], n + 1, policy.max_restarts + 1, wait)
+            sleep(wait)

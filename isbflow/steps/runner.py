@@ -83,6 +83,7 @@ from isbflow.steps.restart import (  # noqa: F401 - re-exported for callers of t
     RestartPolicy,
     StepError,
     error_summary,
+    is_transient,
 )
 from isbflow.steps.session import (  # noqa: F401 - re-exported
     checkpoint_epoch,
@@ -383,7 +384,7 @@ class PipelineRunner:
         or out of restarts."""
         text = str(exc)
         policy = self.restarts
-        if rq.restarts >= policy.max_restarts or not any(m in text for m in TRANSIENT_FAILURES):
+        if rq.restarts >= policy.max_restarts or not is_transient(exc):
             return False
         rq.restarts += 1
         if run.status is not None:

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -197,6 +198,34 @@ class ContinuousRun:
 
 
 # ----------------------------------------------------------------------------- processes
+
+
+class SaturatedCores:
+    """A bounded local CPU load: ``per_core`` busy Python loops per core at normal priority, each
+    ending by itself after ``limit_s`` and stopped by PID on exit. What a recovery meets when a
+    continuous run shares the machine (load average several times the core count)."""
+
+    def __init__(self, limit_s: float = 120.0, per_core: int = 2):
+        self.limit_s, self.count = limit_s, per_core * (os.cpu_count() or 1)
+        self.procs: list[subprocess.Popen] = []
+        self.busy_s = 0.0
+
+    def __enter__(self) -> SaturatedCores:
+        loop = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end: pass\n"
+        self.procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import psutil
+
+        for proc in self.procs:
+            try:
+                times = psutil.Process(proc.pid).cpu_times()
+                self.busy_s += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def kill_group(pid: int) -> None:

@@ -121,19 +121,23 @@ def test_storage_change_is_refused_and_nothing_is_applied(nats_server, tmp_path)
         apply(nats_server.settings, changed)
     report = err.value.report
     assert not report.changed and report.refused
-    entry = next(r for r in report.resources if r.name == "isb-logs-dlq")
+    buf = "isb-logs-in-parse-0"
+    entry = next(r for r in report.resources if r.name == buf)
     assert entry.action == Action.REFUSED and "--recreate" in entry.message
     by_field = {c.field: c for c in entry.changes}
     assert by_field["storage"].cls == provision.ChangeClass.RECREATE and not by_field["storage"].applied
     assert by_field["max_msgs"].cls == provision.ChangeClass.SAFE and not by_field["max_msgs"].applied
     kv = next(r for r in report.resources if r.name == "isbflow-logs-control")
     assert kv.action == Action.UNCHANGED  # KV storage follows persistence, not bufferConfig
-    server = infos(nats_server.settings, changed)["isb-logs-dlq"].config
+    dlq = next(r for r in report.resources if r.name == "isb-logs-dlq")
+    assert dlq.action == Action.UNCHANGED  # dead letters: bufferConfig.deadLetter, not bufferConfig.stream
+    server = infos(nats_server.settings, changed)[buf].config
     assert (server.storage, server.max_msgs) == ("file", -1)
-    assert "isb-logs-dlq: storage file -> memory: needs a recreate, 0 unread" in str(err.value)
+    assert f"{buf}: storage file -> memory: needs a recreate, 0 unread" in str(err.value)
     drift = asyncio.run(provision.diff(nats_server.settings, changed))
-    assert ("isb-logs-dlq", "storage", "memory", "file", "recreate") in {
+    assert (buf, "storage", "memory", "file", "recreate") in {
         (d.resource, d.field, d.to_json()["spec"], d.to_json()["server"], d.to_json()["class"]) for d in drift}
+    assert not [d for d in drift if d.resource == "isb-logs-dlq"]
 
 
 def test_recreate_is_refused_for_a_stream_with_messages_unless_forced(nats_server, tmp_path):

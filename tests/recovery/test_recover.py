@@ -25,7 +25,7 @@ from isbflow.ops.produce import is_malformed, produce
 from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from tests.conftest import ROOT
-from tests.helpers.recovery import run_available_now
+from tests.helpers.recovery import SaturatedCores, run_available_now
 
 MALFORMED_EVERY = 500
 COUNT = 20_000  # 200 s of event time: the 2-minute watermark closes the first windows
@@ -130,7 +130,10 @@ def test_ledger_ranges_and_low_offsets():
 
 
 def test_recover_after_edge_stream_deleted(spark, nats_server, tmp_path):
-    """Data sits in enrich -> raw when that stream is deleted; recover refills raw exactly."""
+    """Data sits in enrich -> raw when that stream is deleted; recover refills raw exactly, with
+    the machine's cores saturated by a bounded local load while it runs (a continuous run beside
+    a recovery: new Python workers then miss Spark's connect-back window, which the shared
+    restart policy, isbflow.steps.restart, turns into a restart instead of a failed recovery)."""
     specs, p, settings, data_dir = _setup(nats_server.settings, ROOT / "pipelines" / "logs.yaml", tmp_path)
     publish(settings, p, COUNT)
     run_steps(spark, specs, p, settings, data_dir, only=["in", "parse", "enrich"])
@@ -152,7 +155,9 @@ def test_recover_after_edge_stream_deleted(spark, nats_server, tmp_path):
     assert plan["records_to_replay"] == COUNT and lost in plan["streams_to_recreate"]
     assert [b.stream for b in asyncio.run(_detect(settings, p, data_dir))] == [lost]  # still lost
 
-    report = recover(spark, specs, p, settings, data_dir)
+    with SaturatedCores(limit_s=180) as load:
+        report = recover(spark, specs, p, settings, data_dir)
+    assert load.busy_s > 10, f"the load generator did not load the machine ({load.busy_s:.1f} CPU s)"
 
     print(_summary(report))
     assert report.ok, json.dumps(report.to_json(), default=str)
@@ -209,7 +214,9 @@ def test_recover_memory_buffers_after_server_restart(spark, nats_server, tmp_pat
     assert {ep.stream for ep in naming.edge_partitions(p)} <= lost
     assert "logs-events" not in lost
 
-    report = recover(spark, specs, p, settings, data_dir)
+    with SaturatedCores(limit_s=180) as load:
+        report = recover(spark, specs, p, settings, data_dir)
+    assert load.busy_s > 10, f"the load generator did not load the machine ({load.busy_s:.1f} CPU s)"
 
     print(_summary(report))
     assert report.ok, json.dumps(report.to_json(), default=str)

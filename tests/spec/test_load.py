@@ -71,7 +71,7 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "vertices[2].limits.bufferUsageLimit", ["percentage from 1 to 100", "got -1"]),
     ("usage-fraction", lambda d: _pl(d)["limits"].update(bufferUsageLimit=0.8),  # isbflow's old unit
      "limits.bufferUsageLimit", ["whole percentage", "got 0.8", "write 80 for 80%"]),
-    ("duplicate-vertex", lambda d: _pl(d)["vertices"].append({"name": "parse", "udf": {"transform": "a:b"}}),
+    ("duplicate-vertex", lambda d: _pl(d)["vertices"].append({"name": "parse", "udf": {"transform": "spark_apps.logs:parse"}}),
      "vertices[6].name", ["duplicate vertex name 'parse'", "vertices[1]"]),
     ("unknown-isb-service", lambda d: _pl(d).update(interStepBufferServiceName="fast"),
      "interStepBufferServiceName", ["unknown InterStepBufferService 'fast'", "default"]),
@@ -95,7 +95,7 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "vertices[4].name", ["'raw sink' is not a valid name"]),
     ("name-path", lambda d: _rename(d, "agg", "../x"),
      "vertices[5].name", ["'../x' is not a valid name"]),
-    ("name-not-string", lambda d: _pl(d)["vertices"].append({"name": 5, "udf": {"transform": "a:b"}}),
+    ("name-not-string", lambda d: _pl(d)["vertices"].append({"name": 5, "udf": {"transform": "spark_apps.logs:parse"}}),
      "vertices[6].name", ["must be a string", "got 5"]),
     ("sink-with-output", lambda d: _pl(d)["edges"].append({"from": "raw", "to": "minutely"}),
      "edges[5].from", ["'raw' is a sink", "no outputs"]),
@@ -105,7 +105,7 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "vertices[1]", ["exactly one of: source, udf, sink", "'udf' and 'sink'"]),
     ("no-role", lambda d: _vertex(d, "parse").pop("udf"),
      "vertices[1]", ["exactly one of: source, udf, sink", "found none"]),
-    ("dangling-vertex", lambda d: _pl(d)["vertices"].append({"name": "lost", "udf": {"transform": "a:b"}}),
+    ("dangling-vertex", lambda d: _pl(d)["vertices"].append({"name": "lost", "udf": {"transform": "spark_apps.logs:parse"}}),
      "vertices[6]", ["'lost' has no input and no output edge"]),
     ("self-edge", lambda d: _pl(d)["edges"].append({"from": "parse", "to": "parse"}),
      "edges[5]", ["to itself"]),
@@ -172,6 +172,7 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
         # unique names, so all files can also be validated together (test_cli_...)
         docs[0]["metadata"]["name"] = _pl(docs)["interStepBufferServiceName"] = f"isb-{n}"
         docs[1]["metadata"]["name"] = f"logs-{n}"
+        _vertex(docs, "in")["source"]["jetstream"]["subject"] = f"logs-{n}.events"  # no two derive one name
         change(docs)
         out[case_id] = _write(folder / f"{case_id}.yaml", docs)
     return out
@@ -386,7 +387,7 @@ def test_spec_file_size_is_bounded(tmp_path):
 
 def test_a_thousand_vertex_chain_and_its_cycle_are_checked_without_recursion(tmp_path):
     vertices = ([{"name": "v0", "source": {"jetstream": {"subject": "x.y"}}}]
-                + [{"name": f"v{i}", "udf": {"transform": "m:f"}} for i in range(1, 999)]
+                + [{"name": f"v{i}", "udf": {"transform": "spark_apps.logs:parse"}} for i in range(1, 999)]
                 + [{"name": "v999", "sink": {"delta": {"path": "t"}}}])
     edges = [{"from": f"v{i}", "to": f"v{i + 1}"} for i in range(999)]
     doc = {"apiVersion": "numaflow.numaproj.io/v1alpha1", "kind": "Pipeline", "metadata": {"name": "chain"},

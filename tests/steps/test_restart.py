@@ -84,3 +84,43 @@ def test_a_read_stalled_by_a_cluster_failover_restarts_but_a_bad_frame_does_not(
     assert runner._restart_if_transient(run, rq, stalled) and writer.starts == 1
     bad = RuntimeError("BufferReadError: buffer isb-x-0: message 7 is not an Arrow frame (...)")
     assert not runner._restart_if_transient(run, rq, bad) and writer.starts == 1
+
+
+def test_batch_actions_run_again_on_the_same_policy():
+    """reprocess's range reads and the window recomputes (isbflow.steps.restart.retry_transient):
+    a transient failure runs the action again after the policy's wait; anything else, or one
+    failure too many, is raised as it is."""
+    from isbflow.steps.restart import retry_transient
+
+    waits: list[float] = []
+    calls = iter([RuntimeError("org.apache.spark.SparkException: Python worker failed to connect back."),
+                  RuntimeError("BufferReadError: the ISB service did not answer STREAM.INFO of s"), 42])
+
+    def action():
+        r = next(calls)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    assert retry_transient(action, "reading s", sleep=waits.append) == 42
+    assert waits == [DEFAULT_RESTARTS.wait_before(1), DEFAULT_RESTARTS.wait_before(2)]
+
+    def bad():
+        raise ValueError("a data error, not the plumbing")
+
+    waits.clear()
+    try:
+        retry_transient(bad, "reading s", sleep=waits.append)
+        raise AssertionError("a data error must not be retried")
+    except ValueError:
+        assert waits == []
+
+    def always():
+        raise RuntimeError("Python worker failed to connect back")
+
+    policy = RestartPolicy(max_restarts=2, backoff_s=1, backoff_max_s=1)
+    try:
+        retry_transient(always, "reading s", policy, sleep=waits.append)
+        raise AssertionError("out of attempts must raise")
+    except RuntimeError:
+        assert waits == [1, 1]
