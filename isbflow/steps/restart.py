@@ -8,12 +8,12 @@ that missed Spark's connect-back window on a loaded machine, a read consumer
 placed on a replica still catching up) is tried again with a growing wait;
 anything else fails at once with a one-line summary (:func:`error_summary`).
 
-Spark offers no setting that widens the connect-back window: in Spark 4.3.0
-``PythonWorkerFactory.createSimpleWorker`` waits a fixed 10,000 ms
-(``Selector.select(10000L)`` before "Timed out while waiting for the Python
-worker to connect back"); the daemon path that ``spark.python.use.daemon``
-controls is not the one Python data sources' driver-side workers take. So the
-cure is to try again, not to wait longer.
+Spark offers no setting that widens the connect-back window: a Python streaming
+source's driver-side worker (``PythonStreamingSourceRunner``) is always started by
+``PythonWorkerFactory.createSimpleWorker``, which in Spark 4.3.0 waits a fixed
+10,000 ms (``Selector.select(10000L)`` before "Timed out while waiting for the
+Python worker to connect back"); ``spark.python.use.daemon`` only decides how the
+planner's and the tasks' workers start. So the cure is to try again.
 """
 
 from __future__ import annotations
