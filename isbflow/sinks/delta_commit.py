@@ -16,7 +16,12 @@ Contract (exactly once per micro-batch and app id):
   ``(appId, batchId)``, creating the table on the first non-empty batch. Empty
   batches commit nothing. Either way, files of this app and batch that the log
   does not reference (failed task attempts, an earlier crashed run of the
-  batch) are removed (:func:`remove_unreferenced_batch_files`).
+  batch) are removed (:func:`remove_unreferenced_batch_files`). The commit finds
+  the batch's files by the markers its tasks left in the batch's own pending
+  folder and names the files it commits there first (``COMMITTING``): it never
+  walks the table folder or lists the table's files, so its cost does not grow
+  with the table (delta-rs still loads the table's snapshot to commit; scheduled
+  compaction keeps that small, :mod:`isbflow.sinks.maintain`).
 - ``abort`` runs on the driver when a task failed: it removes the batch's
   unreferenced files.
 
@@ -73,6 +78,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -88,13 +94,15 @@ from pyspark.sql.types import StructType
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.sinks.delta_files import (
+    COMMITTING_FILE,
     SHORT_NAME,
     DeltaCommitMessage,
     DeltaSchemaMismatch,
     DeltaSinkError,
     DeltaSinkOptionError,
     DeltaSinkOptions,
-    is_batch_file,
+    pending_dir,
+    pending_files,
     remove_file,
     write_batch_files,
 )
@@ -109,26 +117,55 @@ from isbflow.sinks.delta_merge import (
 _log = logging.getLogger(__name__)
 
 
-def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int) -> int:
-    """Remove this app's files of ``batch_id`` that the table's log does not reference.
+def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int,
+                                   committed: Iterable[str] | None = None) -> int:
+    """Remove this app's files of ``batch_id`` that the table's log does not reference; clear the
+    batch's pending folder.
 
-    Returns how many were removed. Files of other batches or apps are untouched.
+    Only the batch's own files are looked at: the markers its tasks left
+    (:func:`isbflow.sinks.delta_files.pending_files`), never a walk of the table.
+    ``committed``: the table-relative paths this attempt has just committed (the
+    driver knows them); ``None`` (a skipped replay, an abort) keeps the files the
+    ``COMMITTING`` list names when the table holds the batch: the attempt that
+    wrote it last is the one whose commit landed (an attempt writes it only when
+    the table does not hold the batch yet, and one app id has one driver).
+    Returns how many files were removed. Files of other batches or apps are untouched.
     """
-    if not os.path.isdir(path):
+    folder = pending_dir(path, app_id, batch_id)
+    if not os.path.isdir(folder):
         return 0
-    table = open_table(path)
-    referenced = {os.path.normpath(u) for u in table.file_uris()} if table else set()
+    if committed is None:
+        table = open_table(path)
+        done = table.transaction_version(app_id) if table else None
+        committed = _committing(folder) if done is not None and done >= batch_id else ()
+    keep = {os.path.normpath(c) for c in committed}
     removed = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if not d.startswith(("_", "."))]
-        for name in filenames:
-            if not is_batch_file(name, app_id, batch_id):
-                continue
-            full = os.path.normpath(os.path.join(dirpath, name))
-            if full not in referenced:
-                remove_file(full)
-                removed += 1
+    for rel in pending_files(path, app_id, batch_id):
+        if os.path.normpath(rel) not in keep:
+            remove_file(os.path.join(path, rel))
+            removed += 1
+    shutil.rmtree(folder, ignore_errors=True)
     return removed
+
+
+def _committing(folder: str) -> list[str]:
+    """The paths the ``COMMITTING`` list of a pending folder names (``[]`` when there is none)."""
+    try:
+        with open(os.path.join(folder, COMMITTING_FILE)) as f:
+            return [line for line in f.read().splitlines() if line]
+    except FileNotFoundError:
+        return []
+
+
+def _note_committing(options: DeltaSinkOptions, batch_id: int, actions: list[AddAction]) -> None:
+    """Before committing the tasks' files: name them in the pending folder (atomically), so a
+    replay after a crash between the commit and the clean-up knows which files the log holds."""
+    folder = pending_dir(options.path, options.app_id, batch_id)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{COMMITTING_FILE}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write("".join(f"{a.path}\n" for a in actions))
+    os.replace(tmp, os.path.join(folder, COMMITTING_FILE))
 
 
 @dataclass(frozen=True)
@@ -168,10 +205,11 @@ def commit_batch(
                 done,
                 batch_id,
             )
-        _clean_up(options, batch_id, offsets, where)
+        _clean_up(options, batch_id, offsets, where,
+                  committed=_committing(pending_dir(options.path, options.app_id, batch_id)))
         return BatchCommit(batch_id, None, 0, 0, f"table already holds batch {done}")
     if not actions:
-        remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+        remove_unreferenced_batch_files(options.path, options.app_id, batch_id, committed=())
         return BatchCommit(batch_id, None, 0, 0, "empty batch")
     schema = next(m.arrow_schema() for m in msgs if m.schema)
     metadata = {ledger.OFFSETS_KEY: ledger.to_metadata(offsets) if offsets else "{}",
@@ -181,13 +219,14 @@ def commit_batch(
     if fast:  # no row can be in the table: commit the files as they are (module docstring)
         metadata.update({"isb.operation": "merge_insert_missing", "isb.key": ledger.ID_COLUMN,
                          "isb.mergePath": "ledger-append"})
-    elif options.mode in ("merge", "upsert"):
+    elif options.mode in ("merge", "upsert"):  # the merge writes its own files: none of the batch's is kept
         commit = _commit_merge(options, actions, schema, metadata, rows, batch_id, where)
-        _clean_up(options, batch_id, offsets, where)
+        _clean_up(options, batch_id, offsets, where, committed=())
         return commit
+    _note_committing(options, batch_id, actions)
     _commit_files(options, table, actions, schema, metadata, batch_id, where)
     # Attempts that failed before this batch succeeded may have left files behind.
-    _clean_up(options, batch_id, offsets, where)
+    _clean_up(options, batch_id, offsets, where, committed=[a.path for a in actions])
     return BatchCommit(batch_id, DeltaTable(options.path).version(), len(actions), rows)
 
 
@@ -271,9 +310,10 @@ def _read_batch_files(options: DeltaSinkOptions, actions: list[AddAction],
     return pa.concat_tables(tables)
 
 
-def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: str) -> None:
+def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: str,
+              committed: Iterable[str] | None = None) -> None:
     """After the batch is in the table: remove its unreferenced files, record its offsets."""
-    remove_unreferenced_batch_files(options.path, options.app_id, batch_id)
+    remove_unreferenced_batch_files(options.path, options.app_id, batch_id, committed)
     _record_offsets(options, offsets, where)
 
 

@@ -9,6 +9,15 @@ Parquet footers, :func:`file_stats`), the rows' Arrow schema and, when the
 rows carry ``_isb_id``, the source offsets they hold. Nothing is visible to
 readers until the driver commits (:mod:`isbflow.sinks.delta_commit`).
 
+**The batch's own files, found without walking the table.** Before a task
+creates a file it leaves a marker naming it in the batch's pending folder,
+``<table>/_isb_pending/<appTag>-<batchId>/`` (:func:`note_pending`; Delta
+readers and VACUUM skip folders starting with ``_``). The driver's commit and
+clean-up read only that folder (:func:`pending_files`), so the work per
+commit is bounded by the batch's files, not the table's; a failed task
+attempt's files are found the same way, even though its commit message never
+reached the driver.
+
 Picklable: :class:`DeltaSinkOptions` travels from the driver to the tasks
 inside the stream writer; :class:`DeltaCommitMessage` travels back. Both hold
 plain data only (add actions, bytes, dicts). No Delta log is read or written
@@ -47,6 +56,11 @@ STATS_STRING_PREFIX = 32  # like Delta Spark: string stats keep a 32-character p
 MODES = ("append", "merge", "upsert")
 #: A plain column name (what ``mergeKey``, ``versionColumn`` and merge keys accept).
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: the folder of the pending markers (module docstring), under the table folder
+PENDING_DIR = "_isb_pending"
+#: in a batch's pending folder: the files the driver is about to commit (written before the commit)
+COMMITTING_FILE = "COMMITTING"
+_MARKER_SUFFIX = ".pending"
 _FILE_RE = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]{8})-([0-9a-f]{32})\.parquet$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -81,6 +95,42 @@ def is_batch_file(name: str, app_id: str, batch_id: int) -> bool:
     """Whether ``name`` is a file :func:`batch_file_name` made for this app id and batch."""
     m = _FILE_RE.match(name)
     return bool(m) and int(m.group(1)) == batch_id and m.group(3) == _app_tag(app_id)
+
+
+def pending_dir(root: str, app_id: str, batch_id: int) -> str:
+    """The pending folder of one app id's batch: ``<root>/_isb_pending/<appTag>-<batchId>``."""
+    return os.path.join(root, PENDING_DIR, f"{_app_tag(app_id)}-{batch_id}")
+
+
+def note_pending(root: str, app_id: str, batch_id: int, rel_path: str) -> None:
+    """Executor, before creating ``rel_path``: leave a marker naming it in the batch's pending folder."""
+    folder = pending_dir(root, app_id, batch_id)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, os.path.basename(rel_path) + _MARKER_SUFFIX), "w") as f:
+        f.write(rel_path)
+
+
+def pending_files(root: str, app_id: str, batch_id: int) -> list[str]:
+    """The table-relative paths of every file a task of this app's batch created (any attempt),
+    from the markers of :func:`note_pending`: one folder listing, whatever the table's size."""
+    folder = pending_dir(root, app_id, batch_id)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in sorted(names):
+        if not name.endswith(_MARKER_SUFFIX) or not is_batch_file(name[: -len(_MARKER_SUFFIX)], app_id, batch_id):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                rel = f.read().strip()
+        except FileNotFoundError:
+            continue
+        if rel and os.path.basename(rel) == name[: -len(_MARKER_SUFFIX)] and not os.path.isabs(rel) \
+                and ".." not in rel.split("/"):
+            out.append(rel)
+    return out
 
 
 def remove_file(path: str) -> None:
@@ -420,6 +470,7 @@ def write_batch_files(
                     name = batch_file_name(options.app_id, batch_id, task_partition)
                     folder = _partition_dir(options.partition_by, values)
                     rel = f"{folder}/{name}" if folder else name
+                    note_pending(options.path, options.app_id, batch_id, rel)
                     pf = files[key] = _PartitionFile(
                         options.path, rel, values, rows.schema, options.row_group_rows
                     )
