@@ -218,6 +218,27 @@ async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str |
         return out
 
 
+async def dead_letter_origins(nc, pipeline: str) -> list[str]:
+    """The ``_isb_id`` of every dead letter of a pipeline that has one (its ``Isb-Origin`` header),
+    oldest first: what the offset ledger folds into a sink's ranges. Bounded by the dead-letter
+    stream's own limits; ``[]`` when there is no dead-letter stream."""
+    from nats.js.errors import NotFoundError
+
+    stream, subject = naming.dlq_stream(pipeline), f"isb.{pipeline}.dlq.>"
+    jsm = nc.jsm()
+    out: list[str] = []
+    seq = 1
+    while True:
+        try:
+            m = await jsm.get_msg(stream, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return out
+        origin = (m.headers or {}).get(HDR_ORIGIN)
+        if origin:
+            out.append(origin)
+        seq = m.seq + 1
+
+
 # ------------------------------------------------- frames dead-lettered on read
 
 

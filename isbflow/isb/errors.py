@@ -61,3 +61,22 @@ class BufferLost(Exception):
 
 class BufferReadError(Exception):
     """Reading a buffer range failed for a reason other than loss (timeout, server error)."""
+
+
+class LedgerFull(Exception):
+    """A sink's offset ledger entry no longer fits in one NATS message, even compacted.
+
+    Raised instead of logging and going on: a ledger that silently stops advancing
+    makes recovery replay ever more and quality judge against a stale ledger.
+    """
+
+    def __init__(self, key: str, size: int, limit: int, ranges: int):
+        super().__init__(key, size, limit, ranges)
+        self.key, self.size, self.limit, self.ranges = key, size, limit, ranges
+
+    def __str__(self) -> str:
+        return (f"offset ledger entry {self.key} needs {self.size} bytes ({self.ranges} ranges) but a NATS "
+                f"message holds at most {self.limit}: its gaps are not dead letters (a transform that drops "
+                "records, or records that never arrived), so they cannot be folded. Raise the ISB service's "
+                "settings.max_payload, or stop the step and check what the sink lacks "
+                "('isbflow quality run -f SPEC')")

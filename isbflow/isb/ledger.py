@@ -12,8 +12,22 @@ after the Delta commit:
   history, from which the ledger can be rebuilt (:func:`from_delta_history`);
 - in the pipeline's ledger KV bucket (:func:`isbflow.isb.naming.ledger_bucket`),
   key ``sink.<sink>.<source>.<partition>``, value
-  ``{"ranges": [[first, last], ...], "updated": <unix time>}``: the union of
-  every batch the sink has committed (:func:`record`).
+  ``{"ranges": [[first, last], ...], "dead": n, "kept": k, "updated": <unix time>}``:
+  the union of every batch the sink has committed (:func:`record`), read and
+  rewritten whole by each commit.
+
+**A compacted, bounded entry.** Ranges are merged, so an entry holds one range
+per gap. Gaps that can never fill (dead letters) would make it grow without
+bound on a long run, so once an entry has more than :data:`FOLD_AT` ranges (and
+twice as many as after its last fold, so the dead-letter buffer is read rarely)
+:func:`record` folds the dead-lettered offsets inside its span into its ranges
+(:func:`fold_dead`) and counts them in ``dead``. Every reader already counts
+dead letters as committed (:func:`low_offsets`; quality subtracts them from what
+a sink must hold), so the folded form answers them the same. What stays is one
+range per *open* gap (records in flight) or gap that is not a dead letter (a
+transform that drops records). An entry that still does not fit in one NATS
+message raises :class:`isbflow.isb.errors.LedgerFull`, which fails the sink's
+step: a ledger must never silently stop advancing.
 
 The KV is written after the Delta commit: a crash between the two leaves the
 ledger behind the table, never ahead of it, so recovery replays too much
@@ -41,6 +55,7 @@ from dataclasses import dataclass
 
 from isbflow.isb import naming
 from isbflow.isb.connect import run_with
+from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, used through this module too
     PartitionRanges,
     Ranges,
@@ -54,7 +69,10 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
 
 ID_COLUMN = "_isb_id"
 OFFSETS_KEY = "isb.offsets"
-
+#: an entry with more ranges than this has its dead-lettered gaps folded in (module docstring)
+FOLD_AT = 64
+#: bytes of a NATS message a KV put needs besides the value (subject, headers)
+PUT_HEADROOM = 1024
 
 
 def to_metadata(ranges: PartitionRanges) -> str:
@@ -98,21 +116,54 @@ def ledger_key(sink: str, partition: str) -> str:
     return f"sink.{sink}.{source}.{index}"
 
 
+def fold_dead(ranges: Ranges, dead: Ranges) -> tuple[Ranges, int]:
+    """``ranges`` with the dead-lettered offsets inside their span filled in, and how many were
+    filled (both sorted and merged; one sweep). Pure."""
+    if not ranges or not dead:
+        return ranges, 0
+    lo, hi = ranges[0][0], ranges[-1][1]
+    inside = [[max(a, lo), min(b, hi)] for a, b in dead if b >= lo and a <= hi]
+    filled = difference(inside, ranges)
+    return (normalize([*ranges, *filled]), count(filled)) if filled else (ranges, 0)
+
+
 async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> PartitionRanges:
-    """Add ``ranges`` to what the ledger holds for ``sink``; return the new totals (per partition given)."""
+    """Add ``ranges`` to what the ledger holds for ``sink``; return the new totals (per partition given).
+
+    Folds dead-lettered gaps when an entry has grown (module docstring). Raises
+    :class:`~isbflow.isb.errors.LedgerFull` when an entry cannot fit in one NATS message.
+    """
+    from nats.errors import MaxPayloadError
     from nats.js.errors import KeyNotFoundError, NotFoundError
 
+    from isbflow.isb.dlq import dead_letter_origins
+
     kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
+    limit = max(1, (nc.max_payload or 1024 * 1024) - PUT_HEADROOM)
+    dead: PartitionRanges | None = None  # read once, when an entry needs folding
     out: PartitionRanges = {}
     for part, rs in ranges.items():
         key = ledger_key(sink, part)
         try:
             entry = await kv.get(key)
-            held = json.loads(entry.value or b"{}").get("ranges", [])
+            held = json.loads(entry.value or b"{}")
         except (KeyNotFoundError, NotFoundError):
-            held = []
-        merged = normalize([*held, *rs])
-        await kv.put(key, json.dumps({"ranges": merged, "updated": time.time()}).encode())
+            held = {}
+        merged = normalize([*held.get("ranges", []), *rs])
+        folded, kept = int(held.get("dead", 0)), int(held.get("kept", 0))
+        if len(merged) > max(FOLD_AT, 2 * kept):
+            if dead is None:
+                dead = dead_letter_ranges(await dead_letter_origins(nc, pipeline))
+            merged, n = fold_dead(merged, dead.get(part, []))
+            folded, kept = folded + n, len(merged)
+        value = json.dumps({"ranges": merged, "dead": folded, "kept": kept, "updated": time.time()},
+                           separators=(",", ":")).encode()
+        if len(value) > limit:
+            raise LedgerFull(key, len(value), limit, len(merged))
+        try:
+            await kv.put(key, value)
+        except MaxPayloadError:
+            raise LedgerFull(key, len(value), limit, len(merged)) from None
         out[part] = merged
     return out
 

@@ -71,6 +71,7 @@ from deltalake import DeltaTable
 from isbflow.isb import ledger
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings
+from isbflow.isb.errors import LedgerFull
 from isbflow.recovery.job import Phase, RecoveryJob, downstream, running_steps
 from isbflow.recovery.reprocess_plan import (
     OFFSET_FORMS,
@@ -380,6 +381,8 @@ class _Reprocess:
             self.report.sinks.append(res)
             try:
                 ledger.record_sync(self.settings, self.p.name, v, self.report.range)
+            except LedgerFull:
+                raise  # never a ledger that silently stops advancing (isbflow.isb.ledger)
             except Exception as e:  # noqa: BLE001 - the commit's isb.offsets hold the range too
                 log.warning("reprocess %s: recording the range in the ledger of %s failed (%s)", self.p.name, v, e)
         self.job.phase("replace", "done", t, sinks={v: asdict(self.results[v]) for v in self.raw_sinks})

@@ -93,6 +93,7 @@ from pyspark.sql.types import StructType
 
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
+from isbflow.isb.errors import LedgerFull
 from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
@@ -320,14 +321,19 @@ def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: st
 def _record_offsets(options: DeltaSinkOptions, offsets: dict, where: str) -> None:
     """Add the batch's source offsets to the ledger KV (after the Delta commit; see module doc).
 
-    A failure is logged, not raised: the table's ``isb.offsets`` still hold the
-    offsets, and a ledger behind the table only makes recovery replay more.
+    A transient failure (the ISB service unreachable) is logged, not raised: the
+    table's ``isb.offsets`` still hold the offsets, and a ledger behind the table
+    only makes recovery replay more. An entry that can no longer fit
+    (:class:`~isbflow.isb.errors.LedgerFull`) fails the step: retrying cannot help,
+    and the ledger would silently stop advancing for good.
     """
     if not offsets or not options.ledger_settings:
         return
     try:
         ledger.record_sync(settings_from_json(options.ledger_settings), options.ledger_pipeline,
                            options.ledger_sink, offsets)
+    except LedgerFull:
+        raise
     except Exception as e:  # noqa: BLE001 - see docstring
         _log.warning("%s: recording offsets in the ledger failed (%s); the commit's isb.offsets "
                      "still hold them", where, e)
