@@ -57,7 +57,7 @@ def _register_optional() -> None:
     for mod, name in (("isbflow.cli.isb", "isb"), ("isbflow.cli.produce", "produce"),
                       ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform"),
                       ("isbflow.cli.pipeline", "pipeline"), ("isbflow.cli.replay", "replay"),
-                      ("isbflow.cli.quality", "quality")):
+                      ("isbflow.cli.quality", "quality"), ("isbflow.cli.sink", "sink")):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

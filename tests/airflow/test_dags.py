@@ -287,6 +287,9 @@ print(json.dumps(out))
     assert watchdog["schedule"] == "* * * * *"
     assert watchdog["tasks"] == ["recover_mini", "watch_broken.yaml", "watch_mini"]
     assert watchdog["downstream"]["watch_mini"] == ["recover_mini"]
+    # sink maintenance: daily, a task per pipeline of the catalog (the broken spec has none)
+    assert dags["sink_maintenance"]["schedule"] == "@daily"
+    assert dags["sink_maintenance"]["tasks"] == ["maintain_mini"]
 
 
 # ----------------------------------------------------------------------------- replay

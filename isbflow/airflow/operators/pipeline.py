@@ -66,12 +66,14 @@ class PipelineTarget:
     specs: Specs
     pipeline: Pipeline
     data_dir: Path
-    settings: NatsSettings
+    settings: NatsSettings | None
 
 
 def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str | None,
-                   nats_conn_id: str, data_dir: str | None) -> PipelineTarget:
-    """Load the spec and find the ISB service; a bad name or spec fails the task without retries."""
+                   nats_conn_id: str, data_dir: str | None, *, with_settings: bool = True) -> PipelineTarget:
+    """Load the spec and find the ISB service (not with ``with_settings=False``: a task that needs
+    none, e.g. sink maintenance, gets ``settings=None``); a bad name or spec fails the task without
+    retries."""
     from isbflow.ops.connection import default_data_dir
     from isbflow.spec import SpecError, load_specs
 
@@ -91,7 +93,7 @@ def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str 
         raise AirflowFailException(f"{path} holds {len(specs.pipelines)} pipelines "
                                    f"({', '.join(specs.pipelines) or 'none'}): name one with 'pipeline'")
     dd = Path(data_dir) if data_dir else default_data_dir()
-    settings = JetStreamHook(nats_conn_id, data_dir=dd).get_settings(specs.service_for(p))
+    settings = JetStreamHook(nats_conn_id, data_dir=dd).get_settings(specs.service_for(p)) if with_settings else None
     return PipelineTarget(path, specs, p, dd.absolute(), settings)
 
 

@@ -33,7 +33,7 @@ from isbflow.airflow.assets import sinks_from_events
 from isbflow.airflow.operators.pipeline import PipelineOperatorBase, PipelineTarget, resolve_target
 
 
-def _as_list(value: Any) -> list[str] | None:
+def sink_list(value: Any) -> list[str] | None:
     """A templated sink list: a list, or a comma-separated string; empty means 'all'."""
     if value is None:
         return None
@@ -99,7 +99,7 @@ class PipelineQualityOperator(PipelineOperatorBase):
             return out
         t = self.target()
         all_sinks = [v.name for v in t.pipeline.spec.vertices if v.sink is not None]
-        wanted = _as_list(self.sinks) or all_sinks
+        wanted = sink_list(self.sinks) or all_sinks
         unknown = [s for s in wanted if s not in all_sinks]
         if unknown:
             raise AirflowFailException(f"pipeline {t.pipeline.name!r} ({t.path}) has no sink "
