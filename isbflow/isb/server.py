@@ -7,6 +7,12 @@ waits until every node reports JetStream healthy, and records PIDs, ports and
 URLs in ``<data dir>/nats/state.json``. Every isbflow command, test fixture and
 DAG finds the server through that file (:func:`read_state`).
 
+Logs stay bounded on a long run: each node writes ``<data dir>/nats/<node>.log``
+itself and rotates it at :data:`LOG_SIZE_LIMIT`, keeping :data:`LOGS_KEPT` files
+(nats-server's ``logfile_size_limit`` and ``logfile_max_num``); what it prints
+before its config is read (a config error) goes to ``<node>.out``. Only a
+bounded tail of either is ever read.
+
 Processes are only ever signalled by the PIDs recorded there, and only while
 ``/proc/<pid>/cmdline`` still shows our nats-server with our config (a PID the
 kernel reused for something else is left alone). With ``tls`` the client
@@ -29,11 +35,16 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
 from isbflow.spec.paths import DataDir, private_dir
 
 HOST = "127.0.0.1"
 STATE_FILE = "state.json"
+#: a node's log is rotated at this size (nats-server's ``logfile_size_limit``) ...
+LOG_SIZE_LIMIT = "10MB"
+#: ... and this many files are kept, the current one included (``logfile_max_num``)
+LOGS_KEPT = 5
 
 
 class EmbeddedNatsError(Exception):
@@ -136,9 +147,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[int], store: Path,
           user: str | None, password: str | None, route_password: str | None, max_payload: int,
-          max_mem: int, max_file: int, tls: dict | None) -> str:
+          max_mem: int, max_file: int, tls: dict | None, log: Path | None = None) -> str:
     lines = [
         f"server_name: {node}",
+        *([f'logfile: "{log}"', f"logfile_size_limit: {LOG_SIZE_LIMIT}", f"logfile_max_num: {LOGS_KEPT}"]
+          if log is not None else []),
         f"listen: {HOST}:{client}",
         f"http: {HOST}:{http}",
         f"max_payload: {max_payload}",
@@ -313,15 +326,15 @@ def start_embedded(
         private_dir(store)
         routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
         conf = ndir / f"{name}.conf"
-        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, route_password,
-                                   max_payload, max_memory_store, max_file_store, tls))
         log = ndir / f"{name}.log"
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, route_password,
+                                   max_payload, max_memory_store, max_file_store, tls, log))
+        fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "ab") as logf:
             proc = subprocess.Popen(
                 [binary, "-c", str(conf)],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, umask=0o077,  # its logs, rotated ones too, owner-only
             )
         procs.append(proc)
         nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
@@ -337,8 +350,9 @@ def start_embedded(
             if n in pending and p.poll() is not None:
                 _kill_nodes(nodes)
                 state_file.unlink(missing_ok=True)
-                tail = Path(n.log).read_text(errors="replace")[-600:]
-                raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{tail}")
+                last = "\n".join(t for t in (tail(Path(n.log).with_suffix(".out"), 10, 4096),
+                                               tail(n.log, 10, 4096)) if t)
+                raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{last}")
         pending = [n for n in pending if not _healthy(n.http_port)]
         if pending and time.monotonic() > deadline:
             _kill_nodes(nodes)

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession
+from isbflow.local.files import keep_newest
 from isbflow.spec.models import Pipeline
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,16 @@ def aside_dir(parent: Path, stamp: str) -> Path:
         d = parent / f"_recovered-{stamp}-{n}"
     return d
 
+
+
+#: recoveries whose moved-aside checkpoints (and stats) are kept per pipeline; older ones are removed
+RECOVERED_KEPT = 5
+
+
+def prune_aside(parent: Path, keep: int = RECOVERED_KEPT) -> list[str]:
+    """Keep the ``keep`` newest ``_recovered-*`` folders under ``parent``; the folders removed.
+    They are there to look at after a recovery (its rewind never needs them again)."""
+    return [str(p) for p in keep_newest(parent.glob("_recovered-*"), keep)] if parent.is_dir() else []
 
 
 def move_aside(paths: list[Path], into: Path) -> list[str]:

@@ -21,7 +21,8 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
 4. **rewind**: per source partition the low offset (:mod:`isbflow.isb.ledger`:
    the ledger KV united with the sinks' own ``isb.offsets`` history, dead
    letters counted as done). The region's steps' checkpoints and write stats
-   are moved aside (``checkpoints/<pipeline>/_recovered-<stamp>/``), the
+   are moved aside (``checkpoints/<pipeline>/_recovered-<stamp>/``; those of the
+   newest ``RECOVERED_KEPT`` recoveries are kept, older ones removed), the
    pipeline's checkpoint epoch is bumped (new sink app ids), the sources start
    at their low offsets and every other step at the beginning of its new buffers.
 5. **replay**: the region's steps run at once, continuously, as in the normal
@@ -91,6 +92,7 @@ from isbflow.recovery.job import (
     aside_dir,
     dimension_columns,
     move_aside,
+    prune_aside,
     region_of,
     running_steps,
 )
@@ -368,13 +370,14 @@ class _Recovery:
             names = [query_name(v, None), *[query_name(v, e.to) for e in p.outputs(v)]]
             moved += move_aside([ck / n for n in names], ck_aside)
             moved += move_aside([stats / n for n in names], stats_aside)
+        pruned = prune_aside(ck) + prune_aside(stats)  # the newest RECOVERED_KEPT recoveries' copies stay
         epoch = checkpoint_epoch(data_dir, p.name) + 1
         ef = epoch_file(data_dir, p.name)
         ef.parent.mkdir(parents=True, exist_ok=True)
         ef.write_text(str(epoch))
         self.before = {v: sink_version(self.paths[v]) for v in self.sink_vertices}
-        job.phase("rewind", "done", t, low_offsets=self.report.low_offsets, moved_aside=moved, epoch=epoch,
-                  id_sinks=self.id_sinks, merged_by_dimensions=self.other_sinks)
+        job.phase("rewind", "done", t, low_offsets=self.report.low_offsets, moved_aside=moved, pruned=pruned,
+                  epoch=epoch, id_sinks=self.id_sinks, merged_by_dimensions=self.other_sinks)
 
     def replay(self, pipelined: bool, timeout: float | None) -> None:
         """5. The region's steps from the low offsets, sinks in merge mode; aggregates recomputed."""

@@ -3,7 +3,8 @@
 A continuous pipeline outlives whatever started it (an Airflow task, a shell),
 so :func:`launch_pipeline` starts ``isbflow pipeline run --trigger continuous``
 in a **new session** (no controlling terminal, its own process group), with
-stdout and stderr in ``<data dir>/logs/<key>-<launch id>.log``, and records
+stdout and stderr in ``<data dir>/logs/<key>-<launch id>.log`` (the newest
+:data:`LOGS_KEPT` per key are kept), and records
 the launch in ``<data dir>/launches/<key>.json`` (``key`` = the pipeline name,
 or ``<pipeline>.<step>`` for a one-step launch)::
 
@@ -47,6 +48,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +62,7 @@ from typing import Any
 
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.state import Observed, StepStatus, all_status
+from isbflow.local.files import keep_newest, tail
 from isbflow.local.procs import process_alive, process_start
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
@@ -68,6 +71,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 DEFAULT_STARTUP_GRACE = 300.0
+#: driver logs kept per launch key (and per batch run name) under ``<data dir>/logs/``; older ones are removed
+LOGS_KEPT = 10
 LIVE_STATES = (Observed.STARTING, Observed.RUNNING, Observed.DRAINING)
 
 
@@ -149,16 +154,12 @@ def _write_launch(data_dir: str | Path, record: LaunchRecord) -> None:
 
 # ---------------------------------------------------------------------------------- processes
 
-def tail(path: str | Path, lines: int = 20) -> str:
-    """The last ``lines`` lines of a text file ('' when it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
+def prune_logs(logs: Path, stem: str, keep: int | None = None) -> list[Path]:
+    """Keep the newest ``keep`` (default :data:`LOGS_KEPT`) logs under ``logs`` whose name is
+    ``<stem>.log`` (``stem`` a regular expression: one launch key's, or one batch run's); the
+    removed. A live launch's log is its key's newest, so it is always kept."""
+    pattern = re.compile(rf"^{stem}\.log$")
+    return keep_newest([p for p in logs.iterdir() if pattern.match(p.name)], LOGS_KEPT if keep is None else keep)
 
 
 # ---------------------------------------------------------------------------------- environment
@@ -296,6 +297,8 @@ def launch(key: str, pipeline: str, command: Sequence[str], *, data_dir: str | P
         logs = DataDir(data_dir).logs
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{key}-{launch_id}.log"
+        log_path.touch()
+        prune_logs(logs, f"{re.escape(key)}-[0-9a-f]{{12}}")
         started_at = time.time()
         with open(log_path, "ab") as out:
             try:
@@ -467,7 +470,10 @@ def run_foreground(spec_file: str | Path, data_dir: str | Path, settings: NatsSe
                              pipeline=pipeline, steps=steps, json_out=True)
     logs = DataDir(data_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{pipeline or Path(spec_file).stem}-{trigger}-{uuid.uuid4().hex[:12]}.log"
+    name = f"{pipeline or Path(spec_file).stem}-{trigger}"
+    log_path = logs / f"{name}-{uuid.uuid4().hex[:12]}.log"
+    log_path.touch()
+    prune_logs(logs, f"{re.escape(name)}-[0-9a-f]{{12}}")
     with open(log_path, "ab") as err:
         proc = subprocess.Popen(command, env=driver_env(settings, data_dir, workdir), cwd=workdir,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,

@@ -265,3 +265,27 @@ def test_cluster_of_two_is_refused(tmp_path):
     assert r.returncode == 2
     assert "--cluster 2" in r.stderr and "majority" in r.stderr
     assert not (tmp_path / "nats" / "state.json").exists()
+
+
+def test_the_server_log_rotates_and_keeps_a_bounded_number_of_files(tmp_path, monkeypatch):
+    """A small rotation size (the default is 10MB): after several starts on the same data dir the
+    node's log has rotated, at most LOGS_KEPT files remain, and all are owner-only."""
+    from isbflow.isb import server
+
+    monkeypatch.setattr(server, "LOG_SIZE_LIMIT", "1KB")
+    monkeypatch.setattr(server, "LOGS_KEPT", 2)
+    data_dir = tmp_path / "d"
+    try:
+        for _ in range(4):  # each start logs ~1KB of banner
+            server.start_embedded(data_dir)
+            server.stop_embedded(data_dir)
+    finally:
+        server.stop_embedded(data_dir)
+    nats = data_dir / "nats"
+    logs = sorted(p.name for p in nats.iterdir() if p.name.startswith("n1.log"))
+    assert "logfile_size_limit: 1KB" in (nats / "n1.conf").read_text()
+    assert "n1.log" in logs and len(logs) == 2, logs  # rotated, and only 2 kept
+    for name in [*logs, "n1.out"]:
+        assert stat.S_IMODE((nats / name).stat().st_mode) == 0o600, name
+    assert "Server is ready" in server.tail(nats / "n1.log", 200) + "".join(
+        (nats / n).read_text() for n in logs)

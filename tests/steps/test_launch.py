@@ -8,6 +8,7 @@ every process started here is stopped by PID at teardown.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -169,3 +170,20 @@ def test_stop_process_leaves_a_reused_pid_alone():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_new_launch_keeps_only_the_newest_logs_of_its_key(data_dir):
+    logs = data_dir.absolute() / "logs"
+    logs.mkdir()
+    old = [logs / f"demo-{i:012x}.log" for i in range(L.LOGS_KEPT + 3)]
+    others = [logs / "demo-available-now-0123456789ab.log", logs / "demox-0123456789ab.log"]
+    for i, p in enumerate([*old, *others]):
+        p.write_text("old run\n")
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+
+    rec = start(data_dir, command=[sys.executable, "-c", "print('bye')"])
+
+    kept = sorted(p.name for p in logs.glob("demo-*.log") if p not in others)
+    assert len(kept) == L.LOGS_KEPT and Path(rec.log).name in kept
+    assert kept == sorted([Path(rec.log).name, *(p.name for p in old[-(L.LOGS_KEPT - 1):])])
+    assert all(p.exists() for p in others)  # another key's, and batch runs', logs are theirs
