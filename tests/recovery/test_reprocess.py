@@ -57,6 +57,13 @@ def _setup(spark, settings, data_dir, spec=SPEC):
     return specs, p
 
 
+def with_helpers_package(text: str) -> str:
+    """A copy of a tests/specs pipeline outside tests/ names the package of its transforms
+    (``transformPackages``, isbflow.spec.transforms): the Pipeline's spec gains it."""
+    head, sep, tail = text.rpartition("\nspec:\n")
+    return f"{head}{sep}  transformPackages: [tests.helpers]\n{tail}"
+
+
 def good_seqs(lo=1, hi=COUNT):
     return {s for s in range(lo, hi + 1) if not is_malformed(s - 1, MALFORMED_EVERY)}
 
@@ -279,7 +286,7 @@ def test_reprocess_by_event_time_append_windows_and_cli(spark, nats_server):
     text = SPEC.read_text()
     assert APPEND_ONLY in text
     spec = tmp_path / "reprocess-append.yaml"
-    spec.write_text(text.replace(APPEND_ONLY, ""))
+    spec.write_text(with_helpers_package(text.replace(APPEND_ONLY, "")))
     specs, p = _setup(spark, settings, tmp_path, spec)
     raw_path, agg_path = str(tmp_path / "sinks/rp/raw"), str(tmp_path / "sinks/rp/agg")
     before = raw_rows(tmp_path)
