@@ -120,18 +120,18 @@ def replay(
 
     ranged = [o for o, v in (("--from", from_), ("--to", to), ("--from-time", from_time), ("--to-time", to_time),
                              ("--time-column", time_column)) if v]
-    if mode == Mode.RECOVER and ranged:
+    if mode == Mode.RECOVER and ranged and promote is None:
         fail(f"{', '.join(ranged)}: only with --mode reprocess (recover replays from the offset ledger's low "
              "offsets)", 2)
     if mode == Mode.REPROCESS and lost:
         fail("--lost: only with --mode recover", 2)
-    if shadow and mode != Mode.REPROCESS:
-        fail("--shadow: only with --mode reprocess (and a range)", 2)
     if promote is not None:
         extra = [o for o, v in (("--from/--to/--from-time/--to-time/--time-column", ranged), ("--shadow", shadow),
                                 ("--dry-run", dry_run), ("--lost", lost)) if v]
         if extra:
             fail(f"--promote RUN takes the range from the shadow run: drop {', '.join(extra)}", 2)
+    elif shadow and mode != Mode.REPROCESS:
+        fail("--shadow: only with --mode reprocess (and a range)", 2)
     specs = load_or_exit(file)
     try:
         p = specs.select(pipeline)

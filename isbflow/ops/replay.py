@@ -128,7 +128,7 @@ class ShadowReview:
             lines.append(f"  suite on shadow {s.sink}: " + ("passed" if q["success"] else f"FAILED: {failed}")
                          + f" (quality run {q['run_id']})")
         if self.promotable:
-            lines.append(f"  review the diff (isbflow replay ... --json, or the Quality page), then promote: "
+            lines.append(f"  review the diff (samples with --json, or on the Quality page), then promote: "
                          f"isbflow replay -f SPEC --promote {self.run}")
         else:
             lines += [f"  promote refused: {why}" for why in self.refusals]

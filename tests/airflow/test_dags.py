@@ -275,7 +275,9 @@ print(json.dumps(out))
         assert d["params"], f"{dag_id} has no trigger-form params"
         assert all(d["params"].values()), f"{dag_id}: a param without a description: {d['params']}"
     assert set(dags["pipeline_replay"]["params"]) == {"pipeline", "mode", "from_offset", "to_offset", "from_time",
-                                                      "to_time", "dry_run", "master"}
+                                                      "to_time", "dry_run", "master", "shadow", "promote",
+                                                      "promote_run"}
+    assert dags["pipeline_replay"]["downstream"] == {"replay": ["promote"], "promote": []}
     # the spec's replays: one DAG each, on the spec's schedule
     assert dags["replay_mini_nightly"]["schedule"] == "0 2 * * *"
     assert dags["replay_mini_hourly-recover"]["schedule"] == "@hourly"
@@ -361,7 +363,7 @@ def test_replay_rejects_a_range_for_recover_and_offsets_with_times(airflow_home,
     m = Mini(nats_server, tmp_path)
     wrong = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "recover", "from_offset": 5},
                                  extra_env=m.env)
-    assert wrong.state == "failed" and wrong.tasks == {"replay": "failed"}
+    assert wrong.state == "failed" and wrong.tasks == {"replay": "failed", "promote": "upstream_failed"}
     assert "mode recover takes no range" in wrong.output
 
     both = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "reprocess", "from_offset": 5,
