@@ -97,12 +97,15 @@ class ReprocessReport:
             what = ("promote of shadow reprocess " if self.state != "shadowed" else "shadow reprocess ") \
                 + self.shadow_run
         asked = ", ".join(f"{k} {v}" for k, v in self.asked.items() if v is not None)
-        lines = [f"{what} of pipeline {self.pipeline} ({self.mode}: {asked}): {self.describe_range()}",
-                 f"  {self.records_reread:,} records {'to re-read' if self.dry_run else 're-read'}"
-                 + (f" (of {self.records_scanned:,} scanned)" if self.mode == "event-time" else "")
-                 + (f", {self.dead_lettered:,} malformed skipped (already dead-lettered)"
-                    if self.dead_lettered else "")
-                 + (f" through {', '.join(self.region)}" if self.region else "")]
+        lines = [f"{what} of pipeline {self.pipeline} ({self.mode}: {asked}): {self.describe_range()}"]
+        if self.shadow_run and self.state != "shadowed":  # a promote writes the reviewed rows, runs nothing
+            lines.append("  the shadow tables' rows of the range, as reviewed (nothing re-read or run again)")
+        else:
+            lines.append(f"  {self.records_reread:,} records {'to re-read' if self.dry_run else 're-read'}"
+                         + (f" (of {self.records_scanned:,} scanned)" if self.mode == "event-time" else "")
+                         + (f", {self.dead_lettered:,} malformed skipped (already dead-lettered)"
+                            if self.dead_lettered else "")
+                         + (f" through {', '.join(self.region)}" if self.region else ""))
         for s in self.sinks:
             verdict = "ok" if s.ok else "FAILED" + (f" ({s.error})" if s.error else "")
             if self.state == "shadowed":
