@@ -138,7 +138,7 @@ class ShadowReview:
 def _review(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path,
             report: Any) -> ShadowReview:
     """Each raw sink's suite on its shadow table, the verdicts stored in the run record."""
-    from isbflow.ops.quality import check_sinks
+    from isbflow.ops.quality import QualityError, check_sinks
     from isbflow.recovery.reprocess_promote import suite_refusals
     from isbflow.recovery.shadow import load_run, record_quality
 
@@ -147,7 +147,12 @@ def _review(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: N
                      "live_version": s.live_version, "range": rec.range, "diff": s.diff}
             for s in rec.sinks if s.kind == "raw"}
     if tags:
-        run = check_sinks(spark_for(), specs, p, settings, data_dir, list(tags), shadow=tags)
+        try:
+            run = check_sinks(spark_for(), specs, p, settings, data_dir, list(tags), shadow=tags)
+        except QualityError as e:
+            raise ReplayError(f"shadow reprocess {rec.run} of {p.name}: the shadow tables are written, but their "
+                              f"suites could not run ({e}); a promote is refused until they have: run the "
+                              "shadow again") from None
         for q in run.reports:
             rec = record_quality(data_dir, p.name, rec.run, q.sink, verdict(q))
     return ShadowReview(report, rec, suite_refusals(rec))
