@@ -214,6 +214,7 @@ def test_quality_page_opens_a_shadow_diff(live, page):
     new = live_rows.set_column(live_rows.schema.get_field_index("team"), "team",
                                pa.array(["reviewed-team"] * live_rows.num_rows))
     diff = diff_rows(live_rows, new, ["_isb_id"])
+    seqs = [int(i.rsplit("/", 1)[1]) for i in live_rows.column("_isb_id").to_pylist()]
     run, now = "reprocess-20991231T000000Z", datetime.now(UTC)
     run_id = reports.new_run_id(now)
     report = QualityReport(run_id=run_id, pipeline=PIPELINE, sink="raw", kind="raw",
@@ -221,7 +222,7 @@ def test_quality_page_opens_a_shadow_diff(live, page):
                            rows=new.num_rows, time=now.isoformat(), gate="fail", success=True,
                            checks=[CheckResult("schema", True)],
                            shadow={"run": run, "live_path": raw_path, "live_version": DeltaTable(raw_path).version(),
-                                   "range": {"in/0": [[1, 20]]}, "diff": diff})
+                                   "range": {"in/0": [[min(seqs), max(seqs)]]}, "diff": diff})
     reports.save_report(data_dir, report.to_dict(), None)
 
     page.goto(live.url + "/isbflow/quality")
