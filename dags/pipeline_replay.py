@@ -11,6 +11,14 @@ sinks' earlier output for it: by source offsets (``from_offset``..``to_offset``)
 or by event time (``from_time``..``to_time``; ISO times, or ``yesterday``,
 ``today``, ``-6h``, ``today-1d``, resolved against this run).
 
+**Shadow** (reprocess only) writes the range's new output into shadow tables
+beside the sinks, never touching the live ones, runs the sinks' suites on them
+and shows the diff per sink on the Quality page (a failing suite fails the
+replay task, naming the check). The **promote** task then replaces the range in
+the live sinks, one Delta commit per raw sink: at once when ``promote`` is on
+(only after the suites passed), or later, after a review, in a run with
+``promote_run`` set to the shadow's run id (that run replays nothing).
+
 **Dry run** shows what would be replayed (lost buffers, low offsets, record
 counts) and changes nothing. The task's XCom is the report; a replay that
 changed sinks emits their asset events, which runs ``pipeline_quality``.
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 from airflow.sdk import DAG, Param
 
-from isbflow.airflow.operators.replay import PipelineReplayOperator
+from isbflow.airflow.operators.replay import PipelinePromoteOperator, PipelineReplayOperator
 from isbflow.airflow.pipelines import pipeline_param, pipelines_dir
 
 with DAG(
@@ -51,11 +59,23 @@ with DAG(
         "dry_run": Param(False, type="boolean", title="Dry run",
                          description="Show what would be replayed (lost buffers, offsets, record counts) "
                                      "without changing anything."),
+        "shadow": Param(False, type="boolean", title="Shadow (review before replacing)",
+                        description="reprocess: write the new output into shadow tables beside the sinks, run the "
+                                    "suites there and show the diff on the Quality page; the live sinks are not "
+                                    "touched until a promote."),
+        "promote": Param(False, type="boolean", title="Promote when the suites pass",
+                         description="With Shadow: promote the shadow into the live sinks in this run, once every "
+                                     "suite passed on it (one Delta commit per sink). Off: review the diff first, "
+                                     "then trigger again with Promote shadow run."),
+        "promote_run": Param(None, type=["null", "string"], title="Promote shadow run",
+                             description="Promote this earlier shadow run (reprocess-<time>, shown on the Quality "
+                                         "page) into the live sinks; the run replays nothing else. Refused when a "
+                                         "suite failed on the shadow or the live sink changed its range since."),
         "master": Param("local[2]", type="string", title="Spark master",
                         description="Where the replay's Spark session runs: local[N] or spark://host:7077."),
     },
 ) as dag:
-    PipelineReplayOperator(
+    replay = PipelineReplayOperator(
         task_id="replay",
         pipeline_file="{{ params.pipeline }}",
         pipelines_dir=str(pipelines_dir(__file__)),
@@ -66,4 +86,16 @@ with DAG(
         to_time="{{ params.to_time }}",
         dry_run="{{ params.dry_run }}",
         master="{{ params.master }}",
+        shadow="{{ params.shadow }}",
+        promote_run="{{ params.promote_run }}",
     )
+    promote = PipelinePromoteOperator(
+        task_id="promote",
+        pipeline_file="{{ params.pipeline }}",
+        pipelines_dir=str(pipelines_dir(__file__)),
+        run="{{ params.promote_run }}",
+        promote="{{ params.shadow and params.promote }}",
+        master="{{ params.master }}",
+        trigger_rule="none_failed",  # after a shadow that passed, or a replay skipped for promote_run
+    )
+    replay >> promote

@@ -202,7 +202,9 @@ def reports_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = N
     table = Table("time", "sink", "version", "result", "failed checks", "run id", "docs")
     for r in found:
         result = "error" if "error" in r else "pass" if r.get("success") else f"FAIL ({r.get('gate')})"
-        table.add_row(str(r.get("time", "")), str(r.get("sink")), str(r.get("table_version", "")), result,
+        shadow = r.get("shadow") if isinstance(r.get("shadow"), dict) else None
+        sink = str(r.get("sink")) + (f" (shadow {shadow.get('run')})" if shadow else "")
+        table.add_row(str(r.get("time", "")), sink, str(r.get("table_version", "")), result,
                       ", ".join(f"{f['name']}={f['unexpected_count']}" for f in r.get("failures", [])),
                       str(r.get("run_id")), str(r.get("docs") or ""))
     console.print(table)

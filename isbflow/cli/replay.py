@@ -14,8 +14,16 @@ summary.
 
 ``--dry-run`` (either mode) shows what would be done and changes nothing.
 
-Exit codes: 0 done and every sink check passed; 1 failed or a check failed;
-2 bad input (spec, options, a range that is malformed or cannot be reprocessed).
+Review, then promote: ``--mode reprocess ... --shadow`` writes the range's new
+output into shadow tables beside the sinks (the live tables are not touched),
+runs the sinks' suites on them and prints the diff per sink and the run id;
+``--promote RUN`` replaces the range in the live sinks (one Delta commit per
+raw sink, then the aggregate windows) once every suite passed, and refuses
+naming the failed check or the live sink that moved.
+
+Exit codes: 0 done and every sink check passed; 1 failed, a check failed (a
+shadow whose suite failed) or a promote refused; 2 bad input (spec, options, a
+range that is malformed or cannot be reprocessed, an unknown shadow run).
 """
 
 from __future__ import annotations
@@ -72,6 +80,16 @@ def replay(
         "--dry-run", help="Show what would be done, change nothing. recover: the lost buffers, the steps it "
         "would drain, the buffers it would recreate, the low offsets and records to replay. reprocess: what "
         "the range covers.")] = False,
+    shadow: Annotated[bool, typer.Option(
+        "--shadow", help="reprocess: write the range's new output into shadow tables beside the sinks "
+        "(<data dir>/shadow/<pipeline>/<run>/), never touching the live tables; run the sinks' suites on them "
+        "and show the diff per sink (rows added, removed, changed, per column, with samples under --json). "
+        "Prints the run id for --promote.")] = False,
+    promote: Annotated[str | None, typer.Option(
+        "--promote", metavar="RUN", help="Promote shadow run RUN (reprocess-<time>, as --shadow printed it): "
+        "replace the range in the live sinks, one Delta commit per raw sink, then recompute the aggregate "
+        "windows. Refused, changing nothing, when a suite failed on the shadow (naming the check), when a "
+        "live sink's rows of the range changed since the shadow, or when RUN was promoted already.")] = None,
     master: Annotated[str, typer.Option(help="Spark master for the replayed steps.")] = "local[2]",
     pipeline: PipelineName = None,
     nats_url: NatsUrl = None,
@@ -93,16 +111,27 @@ def replay(
       isbflow replay -f pipelines/logs.yaml --mode reprocess --from in:1001 --to in:2000
 
       isbflow replay -f pipelines/logs.yaml --mode reprocess --from-time 2025-01-01T00:00:00Z --to-time 2025-01-01T01:00:00Z
+
+      isbflow replay -f pipelines/logs.yaml --mode reprocess --from 1001 --to 2000 --shadow
+
+      isbflow replay -f pipelines/logs.yaml --promote reprocess-20261125T101500Z
     """
     from isbflow.spec import SpecError
 
     ranged = [o for o, v in (("--from", from_), ("--to", to), ("--from-time", from_time), ("--to-time", to_time),
                              ("--time-column", time_column)) if v]
-    if mode == Mode.RECOVER and ranged:
+    if mode == Mode.RECOVER and ranged and promote is None:
         fail(f"{', '.join(ranged)}: only with --mode reprocess (recover replays from the offset ledger's low "
              "offsets)", 2)
     if mode == Mode.REPROCESS and lost:
         fail("--lost: only with --mode recover", 2)
+    if promote is not None:
+        extra = [o for o, v in (("--from/--to/--from-time/--to-time/--time-column", ranged), ("--shadow", shadow),
+                                ("--dry-run", dry_run), ("--lost", lost)) if v]
+        if extra:
+            fail(f"--promote RUN takes the range from the shadow run: drop {', '.join(extra)}", 2)
+    elif shadow and mode != Mode.REPROCESS:
+        fail("--shadow: only with --mode reprocess (and a range)", 2)
     specs = load_or_exit(file)
     try:
         p = specs.select(pipeline)
@@ -116,10 +145,14 @@ def replay(
 
     with SparkOnDemand(master, f"isbflow-replay-{p.name}") as spark_for:
         try:
-            report = ops_replay.replay(spark_for, specs, p, settings, data_dir_or_default(data_dir),
-                                       mode=mode.value, dry_run=dry_run, lost=lost, from_offset=from_,
-                                       to_offset=to, from_time=from_time, to_time=to_time,
-                                       time_column=time_column, on_phase=show)
+            if promote is not None:
+                report = ops_replay.promote(spark_for, specs, p, settings, data_dir_or_default(data_dir), promote,
+                                            on_phase=show)
+            else:
+                report = ops_replay.replay(spark_for, specs, p, settings, data_dir_or_default(data_dir),
+                                           mode=mode.value, dry_run=dry_run, lost=lost, from_offset=from_,
+                                           to_offset=to, from_time=from_time, to_time=to_time,
+                                           time_column=time_column, on_phase=show, shadow=shadow)
         except ops_replay.ReplayError as e:
             fail(str(e), 2 if e.usage else 1)
         except ops_replay.Unreachable as e:

@@ -43,7 +43,8 @@ def sink_names(p: Pipeline) -> list[str]:
 def check_sinks(spark: Any, specs: Specs, p: Pipeline, settings: NatsSettings | None, data_dir: Path,
                 sinks: Sequence[str], *, skip_unchecked: bool = False,
                 on_schema_unknown: Callable[[str, str], None] | None = None,
-                on_note: Callable[[str], None] | None = None, wait_s: float = DEFAULT_WAIT_S) -> QualityRun:
+                on_note: Callable[[str], None] | None = None, wait_s: float = DEFAULT_WAIT_S,
+                shadow: dict[str, dict[str, Any]] | None = None) -> QualityRun:
     """Run the quality suite of each sink and store its report.
 
     Completeness is judged on the offset ledger (:func:`isbflow.quality.basis.read_ledger_basis`:
@@ -54,7 +55,8 @@ def check_sinks(spark: Any, specs: Specs, p: Pipeline, settings: NatsSettings | 
     each completeness result. Each sink's expected schema comes from its input step (when it
     cannot be built, the schema check is skipped and ``on_schema_unknown(sink, why)`` is told).
     A sink that cannot be checked (no table yet ...) raises :class:`QualityError`, or with
-    ``skip_unchecked`` is listed in ``skipped``.
+    ``skip_unchecked`` is listed in ``skipped``. ``shadow``: per sink, a shadow table to check
+    instead (``{"table_path": ..., "run": ..., ...}``; the report is tagged with it).
     """
     # Spark, Delta and GX: imported when a check runs, never by the CLI's or the DAGs' module loads
     from isbflow.quality.basis import read_ledger_basis
@@ -90,7 +92,11 @@ def check_sinks(spark: Any, specs: Specs, p: Pipeline, settings: NatsSettings | 
                 if on_schema_unknown is not None:
                     on_schema_unknown(name, str(e))
             try:
-                out.reports.append(run_quality(spark, p, name, data_dir, basis=basis, schema=schema))
+                tag = (shadow or {}).get(name)
+                out.reports.append(run_quality(spark, p, name, data_dir, basis=basis, schema=schema,
+                                               table_path=tag["table_path"] if tag else None,
+                                               shadow={k: v for k, v in tag.items() if k != "table_path"}
+                                               if tag else None))
             except QualityError as e:
                 if not skip_unchecked:
                     raise

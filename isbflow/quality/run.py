@@ -70,6 +70,8 @@ class QualityReport:
     docs: str | None = None
     pruned: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    #: a run on a shadow table (a shadow reprocess): {"run": its id, "live_path", "live_version", "diff"}
+    shadow: dict[str, Any] | None = None
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -89,7 +91,7 @@ class QualityReport:
             "failures": [{"name": c.name, "unexpected_count": c.unexpected_count, "samples": c.samples,
                           "origin": c.origin, "kwargs": c.kwargs} for c in self.failures],
             "checks": [c.to_dict() for c in self.checks],
-            "docs": self.docs, "pruned": self.pruned, "timings": self.timings,
+            "docs": self.docs, "pruned": self.pruned, "timings": self.timings, "shadow": self.shadow,
         }
 
 
@@ -120,7 +122,8 @@ def quality_of(pipeline: Pipeline, sink: str) -> SinkQuality:
 def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
                 dead_letters: Iterable[str] = (), basis: LedgerBasis | OffsetBasis | None = None,
                 schema=None, now: datetime | None = None, raw_sink: str | None = None,
-                window_sample: int = 200) -> QualityReport:
+                window_sample: int = 200, table_path: str | None = None,
+                shadow: dict[str, Any] | None = None) -> QualityReport:
     """Check sink ``sink`` of ``pipeline`` now; store and return the report.
 
     ``dead_letters``: dead-lettered ids for the default completeness basis (the
@@ -130,13 +133,15 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     :class:`~isbflow.quality.checks.OffsetBasis`; ``schema``: the
     expected Spark schema (None: skipped); ``now``: the clock for freshness
     and the run id (tests inject it); ``raw_sink``: the raw sink aggregate
-    windows are recomputed from (default: found from the graph).
+    windows are recomputed from (default: found from the graph); ``table_path``: check this
+    table instead of the sink's (a shadow table) and tag the report with ``shadow`` (the shadow
+    run, the live table and the diff: the Quality page shows it beside the checks).
     """
 
     now = now or datetime.now(UTC)
     data_dir = Path(data_dir).absolute()
     q = quality_of(pipeline, sink)
-    path = _sink_table(sink_table_path, pipeline, sink, data_dir)
+    path = table_path or _sink_table(sink_table_path, pipeline, sink, data_dir)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     df, version, commit = _sink_table(read_version, spark, path)
@@ -207,7 +212,7 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
         run_id=run_id, pipeline=pipeline.name, sink=sink, kind=kind, table_path=path, table_version=version,
         rows=rows, time=now.astimezone(UTC).isoformat(), gate=q.onFailure.value,
         success=all(c.success for c in all_checks), checks=all_checks, offsets=offsets,
-        offsets_from=offsets_from, last_commit_offsets=_commit_offsets(commit), timings=timings)
+        offsets_from=offsets_from, last_commit_offsets=_commit_offsets(commit), timings=timings, shadow=shadow)
     t = time.perf_counter()
     root = reports.reports_root(data_dir)
     html = None
@@ -221,7 +226,8 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     report.timings["report_s"] = time.perf_counter() - t
     reports.save_report(data_dir, report.to_dict(), None)  # again, naming what was pruned
     level = logging.INFO if report.success else logging.WARNING
-    log.log(level, "quality %s/%s v%s: %s (%d failed check(s)%s)", pipeline.name, sink, version,
+    log.log(level, "quality %s/%s%s v%s: %s (%d failed check(s)%s)", pipeline.name, sink,
+            f" (shadow {shadow.get('run')})" if shadow else "", version,
             "passed" if report.success else f"FAILED, gate {report.gate}", len(report.failures),
             f", pruned {len(report.pruned)} old report(s)" if report.pruned else "")
     return report

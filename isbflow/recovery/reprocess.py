@@ -47,6 +47,15 @@ logged, timed and published in the pipeline's status bucket (key
 ``dry_run``: plan and read only; reports how many records would be re-read
 and, per sink, how many rows (windows) the range covers now; nothing changes.
 
+``shadow``: plan and read, then phase **shadow** instead of 3-5
+(:mod:`isbflow.recovery.shadow`): each raw sink's new output goes to a shadow
+table beside it (the live table as it is, with the range replaced) with a diff
+against the live rows; the live tables are not touched. The run is recorded
+under ``<data dir>/shadow/<pipeline>/<run>/`` for review (its suites run on the
+shadow tables: :mod:`isbflow.ops.replay`) and for
+:func:`isbflow.recovery.reprocess_promote.promote`, which runs phases 3-5 with
+the shadow's rows.
+
 Limits: a stateful streaming step still holding an open window in its state
 emits that window again from its state when new records reach it; reprocess
 a range whose windows have closed. Offsets are JetStream sequences of the
@@ -59,7 +68,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -89,6 +98,7 @@ from isbflow.recovery.reprocess_plan import (
     source_partitions,
 )
 from isbflow.recovery.reprocess_read import RangeRows, check_in_flight, source_of
+from isbflow.recovery.reprocess_report import ReprocessReport, SinkReplace
 from isbflow.recovery.reprocess_windows import (
     AggPlan,
     agg_plan,
@@ -96,6 +106,7 @@ from isbflow.recovery.reprocess_windows import (
     old_windows,
     replace_windows,
 )
+from isbflow.recovery.shadow import write_shadows
 from isbflow.sinks.delta import delta_arrow_schema, read_ids, replace_keys, sink_version
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
@@ -105,115 +116,12 @@ from isbflow.steps.runner import PipelineRunner
 log = logging.getLogger(__name__)
 
 __all__ = ["OFFSET_FORMS", "REPROCESS_KEY", "STATUS_KEY", "OffsetArg", "RangeError", "ReprocessError",
-           "ReprocessReport", "SinkReplace", "TimeArg", "in_ranges", "parse_offsets", "parse_time", "reprocess",
-           "source_partitions"]
+           "ReprocessReport", "ReprocessRun", "SinkReplace", "TimeArg", "in_ranges", "parse_offsets", "parse_time",
+           "reprocess", "source_partitions"]
 
 STATUS_KEY = "reprocess"
 #: commit metadata key describing the reprocess that made a commit
 REPROCESS_KEY = "isb.reprocess"
-
-
-@dataclass
-class SinkReplace:
-    """What reprocess did (or, dry run, would touch) in one sink."""
-
-    sink: str
-    kind: str  # raw (rows carry _isb_id) | aggregate
-    path: str = ""
-    #: raw: rows of the range before; aggregate: windows (keys) of touched windows before
-    rows_before: int = 0
-    #: raw: rows the range produces now; aggregate: window rows recomputed
-    rows_after: int = 0
-    deleted: int = 0
-    updated: int = 0
-    inserted: int = 0
-    version_before: int | None = None
-    version: int | None = None
-    commits: int = 0
-    windows_touched: int = 0
-    duplicates: int = 0
-    #: raw: rows outside the range added or removed (must be 0)
-    outside_changed: int = 0
-    #: raw: rows in the range after the commit minus rows_after (must be 0)
-    range_mismatch: int = 0
-    error: str | None = None
-    note: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.duplicates == 0 and self.outside_changed == 0 \
-            and self.range_mismatch == 0
-
-
-@dataclass
-class ReprocessReport:
-    pipeline: str
-    #: offsets | event-time
-    mode: str = "offsets"
-    dry_run: bool = False
-    #: the range as asked (texts)
-    asked: dict[str, Any] = field(default_factory=dict)
-    time_column: dict[str, str] = field(default_factory=dict)
-    #: per source partition, the inclusive sequence ranges reprocessed
-    range: dict[str, list[list[int]]] = field(default_factory=dict)
-    region: list[str] = field(default_factory=list)
-    records_scanned: int = 0
-    records_reread: int = 0
-    dead_lettered: int = 0
-    sinks: list[SinkReplace] = field(default_factory=list)
-    phases: list[Phase] = field(default_factory=list)
-    seconds: float = 0.0
-    state: str = "running"  # running | planned (dry run) | reprocessed | failed
-
-    @property
-    def ok(self) -> bool:
-        return self.state in ("reprocessed", "planned") and all(s.ok for s in self.sinks)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["ok"] = self.ok
-        for s, obj in zip(d["sinks"], self.sinks, strict=True):
-            s["ok"] = obj.ok
-        return d
-
-    def describe_range(self) -> str:
-        if not self.range:
-            return "no source offsets"
-        parts = [f"{part} {rs[0][0]}..{rs[0][1]}" if len(rs) == 1 else
-                 f"{part} {ledger.count(rs):,} sequences in {len(rs)} ranges within {rs[0][0]}..{rs[-1][1]}"
-                 for part, rs in self.range.items()]
-        return "source offsets " + "; ".join(parts)
-
-    def summary(self) -> str:
-        """A few lines for a terminal or a task log."""
-        what = "dry run of reprocess" if self.dry_run else "reprocess"
-        asked = ", ".join(f"{k} {v}" for k, v in self.asked.items() if v is not None)
-        lines = [f"{what} of pipeline {self.pipeline} ({self.mode}: {asked}): {self.describe_range()}",
-                 f"  {self.records_reread:,} records {'to re-read' if self.dry_run else 're-read'}"
-                 + (f" (of {self.records_scanned:,} scanned)" if self.mode == "event-time" else "")
-                 + (f", {self.dead_lettered:,} malformed skipped (already dead-lettered)"
-                    if self.dead_lettered else "")
-                 + (f" through {', '.join(self.region)}" if self.region else "")]
-        for s in self.sinks:
-            verdict = "ok" if s.ok else "FAILED" + (f" ({s.error})" if s.error else "")
-            if self.dry_run:
-                unit = "rows" if s.kind == "raw" else "windows"
-                lines.append(f"  sink {s.sink} ({s.kind}): the range covers {s.rows_before:,} {unit} now")
-                continue
-            versions = (f"version {s.version_before} -> {s.version}" if s.commits else "no change")
-            if s.kind == "raw":
-                lines.append(f"  sink {s.sink}: {s.rows_before:,} rows of the range replaced by {s.rows_after:,} "
-                             f"(updated {s.updated:,}, inserted {s.inserted:,}, deleted {s.deleted:,}) in "
-                             f"{s.commits} commit(s), {versions}; {s.duplicates} duplicate ids, "
-                             f"{s.outside_changed} rows outside changed: {verdict}")
-            else:
-                lines.append(f"  sink {s.sink}: {s.windows_touched:,} window(s) touched, {s.rows_after:,} rows "
-                             f"recomputed (updated {s.updated:,}, inserted {s.inserted:,}, deleted {s.deleted:,})"
-                             f" in {s.commits} commit(s), {versions}: {verdict}")
-            if s.note:
-                lines.append(f"    {s.note}")
-        lines.append(f"  {self.state} in {self.seconds:.1f}s")
-        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ reprocess
@@ -222,7 +130,7 @@ class ReprocessReport:
 def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path, *,
               from_offset: OffsetArg = None, to_offset: OffsetArg = None, from_time: TimeArg = None,
               to_time: TimeArg = None, dry_run: bool = False, on_phase: Callable[[Phase], None] | None = None,
-              time_column: str | None = None) -> ReprocessReport:
+              time_column: str | None = None, shadow: bool = False) -> ReprocessReport:
     """Reprocess a source range of ``pipeline`` (module docstring); returns the report.
 
     The range is by source offsets (``from_offset``/``to_offset``: see
@@ -232,7 +140,8 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
     when None, not both kinds. ``spark`` is a SparkSession or a function making
     one. Raises :class:`RangeError` for a range that is malformed or cannot be
     reprocessed, :class:`ReprocessError` when a phase cannot proceed; the report
-    so far is in the status bucket (key ``reprocess``) either way.
+    so far is in the status bucket (key ``reprocess``) either way. ``shadow``: write shadow
+    tables and a run record instead of replacing (module docstring).
     """
     p = pipeline
     by_time = from_time is not None or to_time is not None
@@ -245,12 +154,15 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
         lo_map, hi_map, t_lo, t_hi = check_asked(p, from_offset, to_offset, from_time, to_time)
         spark = spark() if callable(spark) else spark
         job.connect()
-        r = _Reprocess(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), settings)
+        r = ReprocessRun(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), settings)
         r.plan(lo_map, hi_map, by_time, time_column)
         r.read(t_lo, t_hi, by_time)
         if dry_run:
             r.count()
             report.state = "planned"
+        elif shadow:
+            write_shadows(r, Path(data_dir).absolute())
+            report.state = "shadowed"
         else:
             r.replace()
             r.windows()
@@ -273,9 +185,11 @@ def _text(value: Any) -> str | None:
     return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
-class _Reprocess:
+class ReprocessRun:
     """The phases of one reprocess (module docstring), sharing the job, the session, the runner and
-    what the plan and the read found (the source partitions, the region's sinks, the range's rows)."""
+    what the plan and the read found (the source partitions, the region's sinks, the range's rows).
+    A promote (:mod:`isbflow.recovery.reprocess_promote`) runs phases 3-5 with the shadow's rows:
+    :meth:`new_rows` and :meth:`new_frame` are what it replaces."""
 
     def __init__(self, job: RecoveryJob, spark, runner: PipelineRunner, settings: NatsSettings):
         self.job, self.spark, self.runner, self.settings = job, spark, runner, settings
@@ -310,7 +224,7 @@ class _Reprocess:
         for a in (v for v in sinks if v not in self.raw_sinks):
             plan = agg_plan(self.runner, a, self.raw_sinks)
             if isinstance(plan, str):
-                self.results[a] = SinkReplace(a, "aggregate", self._path(a),
+                self.results[a] = SinkReplace(a, "aggregate", self.path(a),
                                               error=f"its windows cannot be recomputed: {plan}")
             else:
                 self.plans[a] = plan
@@ -319,7 +233,7 @@ class _Reprocess:
                   scan={k: list(s.scan) for k, s in self.sources.items()}, raw_sinks=self.raw_sinks,
                   aggregate_sinks=[v for v in sinks if v not in self.raw_sinks])
 
-    def _path(self, sink: str) -> str:
+    def path(self, sink: str) -> str:
         return self.runner.sink_path(self.p.vertex(sink))
 
     def read(self, t_lo: datetime | None, t_hi: datetime | None, by_time: bool) -> None:
@@ -354,23 +268,24 @@ class _Reprocess:
         """Dry run: what the range covers in each sink now."""
         t = time.monotonic()
         for v in self.raw_sinks:
-            ids, version = read_ids(self._path(v))
-            self.report.sinks.append(SinkReplace(v, "raw", self._path(v), version_before=version, version=version,
+            ids, version = read_ids(self.path(v))
+            self.report.sinks.append(SinkReplace(v, "raw", self.path(v), version_before=version, version=version,
                                                  rows_before=int(in_ranges(ids, self.report.range).sum())))
-        for a in self._agg_sinks():
+        for a in self.agg_sinks():
             if a in self.results:
                 self.report.sinks.append(self.results[a])
                 continue
             n = self.plans[a].old_windows.num_rows if self.plans[a].old_windows is not None else 0
-            self.report.sinks.append(SinkReplace(a, "aggregate", self._path(a), rows_before=n, windows_touched=n))
+            self.report.sinks.append(SinkReplace(a, "aggregate", self.path(a), rows_before=n, windows_touched=n))
         self.job.phase("count", "done", t, sinks=[asdict(s) for s in self.report.sinks])
 
-    def _agg_sinks(self) -> list[str]:
+    def agg_sinks(self) -> list[str]:
         return [v for v in self.report.region if self.p.vertex(v).sink is not None and v not in self.raw_sinks]
 
-    def _metadata(self) -> dict[str, Any]:
+    def metadata(self) -> dict[str, Any]:
         r = self.report
-        return {REPROCESS_KEY: json.dumps({"mode": r.mode, "asked": r.asked, "range": r.range},
+        shadow = {"shadow_run": r.shadow_run} if r.shadow_run else {}
+        return {REPROCESS_KEY: json.dumps({"mode": r.mode, "asked": r.asked, "range": r.range, **shadow},
                                           separators=(",", ":"), default=str)}
 
     def replace(self) -> None:
@@ -387,19 +302,28 @@ class _Reprocess:
                 log.warning("reprocess %s: recording the range in the ledger of %s failed (%s)", self.p.name, v, e)
         self.job.phase("replace", "done", t, sinks={v: asdict(self.results[v]) for v in self.raw_sinks})
 
-    def _replace_raw(self, v: str) -> SinkReplace:
-        path, rng = self._path(v), self.report.range
-        res = SinkReplace(v, "raw", path)
-        df = self.rows.output(v)
+    def new_frame(self, v: str):
+        """The range's rows as vertex ``v`` receives them now: a Spark DataFrame, None if none."""
+        return self.rows.output(v)
+
+    def new_rows(self, v: str) -> pa.Table:
+        """The range's new rows of raw sink ``v`` (Arrow, Delta types), each id inside the range."""
+        df = self.new_frame(v)
         if df is None:
             df = self.spark.createDataFrame([], self.runner.input_schema(v))
         rows = retry_transient(df.toArrow, f"reprocessing the rows of {v}")
         rows = rows.cast(delta_arrow_schema(rows.schema))
-        outside = int((~in_ranges(rows.column(ledger.ID_COLUMN), rng)).sum())
+        outside = int((~in_ranges(rows.column(ledger.ID_COLUMN), self.report.range)).sum())
         if outside:
             raise ReprocessError(f"sink {v}: {outside} new row(s) carry an _isb_id outside the range (a transform "
                                  f"must carry _isb_id through unchanged); nothing was changed in {v}")
-        meta = {**self._metadata(), ledger.OFFSETS_KEY: ledger.to_metadata(rng)}
+        return rows
+
+    def _replace_raw(self, v: str) -> SinkReplace:
+        path, rng = self.path(v), self.report.range
+        res = SinkReplace(v, "raw", path)
+        rows = self.new_rows(v)
+        meta = {**self.metadata(), ledger.OFFSETS_KEY: ledger.to_metadata(rng)}
 
         def attempt():
             ids, version = read_ids(path)
@@ -419,7 +343,7 @@ class _Reprocess:
     def windows(self) -> None:
         """4. Each aggregate sink's windows the range touches, recomputed and replaced in one commit."""
         t = time.monotonic()
-        aggs = self._agg_sinks()
+        aggs = self.agg_sinks()
         for a in aggs:
             if a not in self.results:
                 self.results[a] = self._replace_windows(self.plans[a])
@@ -428,7 +352,7 @@ class _Reprocess:
                        sinks={a: asdict(self.results[a]) for a in aggs})
 
     def _replace_windows(self, plan: AggPlan) -> SinkReplace:
-        path = self._path(plan.sink)
+        path = self.path(plan.sink)
         res = SinkReplace(plan.sink, "aggregate", path, version_before=sink_version(path))
         res.version = res.version_before
         if self.running:
@@ -437,8 +361,8 @@ class _Reprocess:
         if res.version_before is None:
             res.error = f"no Delta table at {path} (has the sink committed a batch?)"
             return res
-        done = replace_windows(self.spark, self.runner, plan, path, self.rows.output(plan.raw), self.sources.values(),
-                               self._metadata())
+        done = replace_windows(self.spark, self.runner, plan, path, self.new_frame(plan.raw), self.sources.values(),
+                               self.metadata())
         res.note = " ".join(filter(None, [res.note, done.note])) or None
         res.windows_touched, res.rows_before, res.rows_after = done.windows_touched, done.rows_before, done.rows_after
         if done.commit is not None:

@@ -12,6 +12,7 @@ holds all a pipeline keeps on disk besides its sinks:
     logs/                              launched drivers' logs
     airflow/                           AIRFLOW_HOME of the local platform
     quality/reports/                   quality run reports (JSON and GX data docs)
+    shadow/<pipeline>/<run>/           a shadow reprocess: run.json (its record) and a shadow table per raw sink
 
 Nothing else builds these paths from strings; pipeline and vertex names are
 validated by the spec (no separators), so no path leaves the data dir.
@@ -100,6 +101,14 @@ class DataDir:
     @property
     def quality_reports(self) -> Path:
         return self.root / "quality" / "reports"
+
+    def shadows(self, pipeline: str) -> Path:
+        """Every shadow reprocess run of ``pipeline``."""
+        return self.root.absolute() / "shadow" / pipeline
+
+    def shadow(self, pipeline: str, run: str) -> Path:
+        """One shadow reprocess run: its record ``run.json`` and a folder per shadow table."""
+        return self.shadows(pipeline) / run
 
     def checkpoints(self, pipeline: str) -> Path:
         return self.root / "checkpoints" / pipeline

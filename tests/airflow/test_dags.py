@@ -275,7 +275,9 @@ print(json.dumps(out))
         assert d["params"], f"{dag_id} has no trigger-form params"
         assert all(d["params"].values()), f"{dag_id}: a param without a description: {d['params']}"
     assert set(dags["pipeline_replay"]["params"]) == {"pipeline", "mode", "from_offset", "to_offset", "from_time",
-                                                      "to_time", "dry_run", "master"}
+                                                      "to_time", "dry_run", "master", "shadow", "promote",
+                                                      "promote_run"}
+    assert dags["pipeline_replay"]["downstream"] == {"replay": ["promote"], "promote": []}
     # the spec's replays: one DAG each, on the spec's schedule
     assert dags["replay_mini_nightly"]["schedule"] == "0 2 * * *"
     assert dags["replay_mini_hourly-recover"]["schedule"] == "@hourly"
@@ -359,12 +361,44 @@ def test_replay_dry_run_changes_nothing_then_recover_refills_the_sink(airflow_ho
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_replay_shadow_then_promote_in_a_later_run(airflow_home, spark, nats_server, tmp_path):
+    """Shadow through the DAG (the suite runs on the shadow table; live untouched, nothing promoted with
+    promote off), then a run with promote_run: the replay task skips, the promote task commits once."""
+    m = Mini(nats_server, tmp_path)
+    m.produce(1000)
+    m.run(spark)
+    raw = str(m.data_dir / "sinks/mini/raw")
+    v0 = DeltaTable(raw).version()
+
+    shadowed = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "reprocess",
+                                                        "from_offset": 1, "to_offset": 200, "shadow": True},
+                                    extra_env=m.env, timeout=900)
+    assert shadowed.state == "success", shadowed.output[-6000:]
+    assert shadowed.tasks == {"replay": "success", "promote": "skipped"}
+    r = shadowed.xcom["replay"]
+    run = r["shadow_run"]
+    assert (r["state"], r["promotable"], r["suites"]["raw"]["success"]) == ("shadowed", True, True)
+    assert (r["diffs"]["raw"]["unchanged"], r["diffs"]["raw"]["changed"]) == (200, 0)
+    assert DeltaTable(raw).version() == v0  # the live sink did not move
+
+    promoted = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "promote_run": run},
+                                    extra_env=m.env, timeout=900)
+    assert promoted.state == "success", promoted.output[-6000:]
+    assert promoted.tasks == {"replay": "skipped", "promote": "success"}
+    p = promoted.xcom["promote"]
+    assert (p["state"], p["ok"], p["shadow_run"]) == ("promoted", True, run)
+    assert DeltaTable(raw).version() == v0 + 1  # one commit
+    assert sorted(m.raw_ids()) == sorted(f"in/0/{i}" for i in range(1, 1001))
+
+
+@pytest.mark.slow
 def test_replay_rejects_a_range_for_recover_and_offsets_with_times(airflow_home, nats_server,
                                                                                  tmp_path):
     m = Mini(nats_server, tmp_path)
     wrong = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "recover", "from_offset": 5},
                                  extra_env=m.env)
-    assert wrong.state == "failed" and wrong.tasks == {"replay": "failed"}
+    assert wrong.state == "failed" and wrong.tasks == {"replay": "failed", "promote": "upstream_failed"}
     assert "mode recover takes no range" in wrong.output
 
     both = airflow_home.run_dag("pipeline_replay", {"pipeline": "mini.yaml", "mode": "reprocess", "from_offset": 5,

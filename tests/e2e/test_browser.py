@@ -9,7 +9,8 @@ shared with the lifecycle tests of test_platform.py, which stop it. Then, as a u
 3. trigger ``pipeline_replay`` through its trigger form (mode recover, dry run, a run id
    typed in the advanced options) and see the run succeed;
 4. run ``pipeline_quality`` (REST API), open the Quality page, find the newest report of
-   the raw sink (the run id the task's XCom names) and open its full report.
+   the raw sink (the run id the task's XCom names) and open its full report;
+5. open a shadow reprocess's diff on the Quality page.
 
 Screenshots of each step go to ``tests/artifacts/browser/`` (git-ignored). The browser is
 ``/usr/bin/chromium`` (``apt-get install chromium``; ``.ci/run`` installs it), never a
@@ -21,8 +22,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from isbflow import platform
@@ -191,3 +194,48 @@ def test_quality_page_shows_the_newest_report(live, page):
     page.wait_for_load_state()
     time.sleep(1.0)  # let the report's own styles settle before the screenshot
     shot(page, "07-quality-report")
+
+
+def test_quality_page_opens_a_shadow_diff(live, page):
+    """A shadow run's report beside the live sink's (written as ``isbflow replay --shadow`` writes it: a
+    quality report tagged with the run and a diff computed by ``diff_rows`` from the live raw sink's
+    rows and the same rows with ``team`` changed); the Quality page shows its badge, and its foldout
+    opens on the changed column and the sample values."""
+    from deltalake import DeltaTable
+
+    from isbflow.quality import reports
+    from isbflow.quality.checks import CheckResult
+    from isbflow.quality.run import QualityReport
+    from isbflow.recovery.shadow_diff import diff_rows
+
+    data_dir = Path(live.state.data_dir)
+    raw_path = str(data_dir / "sinks" / "logs" / "raw")
+    live_rows = DeltaTable(raw_path).to_pyarrow_table().slice(0, 20)
+    new = live_rows.set_column(live_rows.schema.get_field_index("team"), "team",
+                               pa.array(["reviewed-team"] * live_rows.num_rows))
+    diff = diff_rows(live_rows, new, ["_isb_id"])
+    seqs = [int(i.rsplit("/", 1)[1]) for i in live_rows.column("_isb_id").to_pylist()]
+    run, now = "reprocess-20991231T000000Z", datetime.now(UTC)
+    run_id = reports.new_run_id(now)
+    report = QualityReport(run_id=run_id, pipeline=PIPELINE, sink="raw", kind="raw",
+                           table_path=str(data_dir / "shadow" / PIPELINE / run / "raw"), table_version=0,
+                           rows=new.num_rows, time=now.isoformat(), gate="fail", success=True,
+                           checks=[CheckResult("schema", True)],
+                           shadow={"run": run, "live_path": raw_path, "live_version": DeltaTable(raw_path).version(),
+                                   "range": {"in/0": [[min(seqs), max(seqs)]]}, "diff": diff})
+    reports.save_report(data_dir, report.to_dict(), None)
+
+    page.goto(live.url + "/isbflow/quality")
+    page.locator("#quality").wait_for()
+    row = page.locator(f'tr[data-run="{run_id}"]')
+    assert row.locator(f'[data-shadow="{run}"]').inner_text() == f"shadow {run}"
+    assert row.locator(".diff-counts").get_attribute("data-changed") == str(diff["changed"]) != "0"
+    foldout = page.locator(f'details[data-shadow-run="{run}"]')
+    changed_team = foldout.locator('table.diff-columns tr[data-column="team"]')
+    assert not changed_team.is_visible()
+    foldout.locator("summary").click()
+    changed_team.wait_for(state="visible")
+    assert changed_team.get_attribute("data-changed") == str(diff["changed"])
+    sample = foldout.locator('table.diff-samples tr[data-column="team"]').first
+    assert "reviewed-team" in sample.inner_text()
+    shot(page, "08-quality-shadow-diff")

@@ -17,6 +17,13 @@ Time bounds are the expressions of :mod:`isbflow.spec.times` (``yesterday``,
 scheduled replay (``replays:`` in the spec, ``dags/pipeline_replay_schedules.py``)
 covers the same range however late it runs.
 
+``shadow`` (reprocess only) writes the range's new output into shadow tables
+and runs the sinks' suites there (the live sinks are untouched, no asset event);
+XCom carries ``shadow_run``, the diffs and the suites' verdicts, and a suite
+that fails fails the task naming the check. :class:`PipelinePromoteOperator`
+then promotes a shadow run into the live sinks (one Delta commit per raw sink):
+the run this DAG run's replay task made, or one named (``run``) after a review.
+
 XCom ``return_value``: the report JSON (the plan's for a dry run), plus
 ``replay_mode`` and ``replay_range`` (the range as asked, times resolved). A report
 that is not ``ok`` (a sink check failed) fails the task after the XCom is
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from isbflow.airflow.assets import emit_sink_events, sinks_alias
 from isbflow.airflow.operators.isb import as_bool
@@ -127,16 +134,18 @@ class PipelineReplayOperator(PipelineOperatorBase):
     :param dry_run: show what would be replayed without changing anything.
     :param master: Spark master of the replay's session (``local[2]``).
     :param drain_timeout: recover: seconds the drain of still-running steps may take.
+    :param shadow: reprocess into shadow tables and run the suites there (module docstring).
+    :param promote_run: when given, this DAG run only promotes that shadow run: the task skips.
     """
 
     template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "mode", "from_offset", "to_offset",
-                                      "from_time", "to_time", "dry_run", "master")
+                                      "from_time", "to_time", "dry_run", "master", "shadow", "promote_run")
     ui_color = "#f0c7d4"
 
     def __init__(self, *, mode: str = "recover", from_offset: int | str | None = None,
                  to_offset: int | str | None = None, from_time: str | None = None, to_time: str | None = None,
                  dry_run: bool | str = False, master: str = "local[2]", drain_timeout: float = 300.0,
-                 **kwargs: Any) -> None:
+                 shadow: bool | str = False, promote_run: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("outlets", [sinks_alias()])
         super().__init__(**kwargs)
         self.mode = mode
@@ -147,15 +156,19 @@ class PipelineReplayOperator(PipelineOperatorBase):
         self.dry_run = dry_run
         self.master = master
         self.drain_timeout = drain_timeout
+        self.shadow = shadow
+        self.promote_run = promote_run
 
     def execute(self, context: Any) -> dict:
+        if _optional(self.promote_run) is not None:
+            raise AirflowSkipException(f"this run promotes shadow run {self.promote_run}: nothing to replay")
 
         mode = str(self.mode).strip().lower()
         if mode not in ops_replay.MODES:
             raise AirflowFailException(f"mode {self.mode!r} is not one of {', '.join(ops_replay.MODES)}")
         t = self.target()
         rng = parse_range(self.from_offset, self.to_offset, self.from_time, self.to_time, *reference_times(context))
-        dry = as_bool(self.dry_run)
+        dry, shadow = as_bool(self.dry_run), as_bool(self.shadow)
         self.log.info("replay of pipeline %s (%s): mode %s, range %s, dry run %s", t.pipeline.name, t.path, mode,
                       rng.to_json(), dry)
         if mode == "recover" and not rng.empty:
@@ -172,7 +185,7 @@ class PipelineReplayOperator(PipelineOperatorBase):
                     spark_for, t.specs, t.pipeline, t.settings, t.data_dir, mode=mode, dry_run=dry,
                     from_offset=rng.from_offset, to_offset=rng.to_offset, from_time=rng.from_time,
                     to_time=rng.to_time, drain_timeout=self.drain_timeout if mode == "recover" else None,
-                    on_phase=on_phase)
+                    on_phase=on_phase, shadow=shadow)
             except ops_replay.Unreachable as e:
                 raise RuntimeError(str(e)) from None  # retries apply
             except ops_replay.ReplayError as e:
@@ -182,11 +195,71 @@ class PipelineReplayOperator(PipelineOperatorBase):
         report["replay_range"] = rng.to_json()  # as asked, times resolved against this run
         summary = "\n".join(ops_replay.summary(result))
         self.log.info("%s", summary)
-        changed = not dry and report.get("state") != "nothing-lost"
+        changed = not dry and not shadow and report.get("state") != "nothing-lost"
         if changed:
             emit_sink_events(context, t.pipeline, t.data_dir, by=f"replay-{mode}")
         if not report.get("ok", False):
             context["ti"].xcom_push(key="return_value", value=report)
             raise AirflowFailException(f"replay of pipeline {t.pipeline.name} ({mode}) did not pass its checks:\n"
                                        f"{summary}")
+        return report
+
+
+class PipelinePromoteOperator(PipelineOperatorBase):
+    """Promote a shadow reprocess into the live sinks; XCom: the promote's report.
+
+    The run promoted is ``run`` when given (a shadow reviewed on the Quality page), else, with
+    ``promote`` true, the ``shadow_run`` of ``replay_task_id``'s XCom (this DAG run's shadow,
+    whose suites passed: a failing suite fails that task, and this one does not run). Nothing
+    to promote skips the task. A refused promote (a failed suite, naming the check; a live sink
+    whose range changed since the shadow; a run promoted already) fails it. The promoted sinks
+    get asset events.
+
+    :param run: the shadow run id (``reprocess-<time>``) to promote.
+    :param promote: promote this DAG run's shadow (from the replay task's XCom).
+    :param replay_task_id: the task whose XCom names the shadow run.
+    :param master: Spark master (aggregate windows are recomputed in Spark).
+    """
+
+    template_fields: Sequence[str] = (*PipelineOperatorBase.template_fields, "run", "promote", "master")
+    ui_color = "#c7e9d4"
+
+    def __init__(self, *, run: str | None = None, promote: bool | str = False, replay_task_id: str = "replay",
+                 master: str = "local[2]", **kwargs: Any) -> None:
+        kwargs.setdefault("outlets", [sinks_alias()])
+        super().__init__(**kwargs)
+        self.run = run
+        self.promote = promote
+        self.replay_task_id = replay_task_id
+        self.master = master
+
+    def execute(self, context: Any) -> dict:
+        run = _optional(self.run)
+        if run is None and as_bool(self.promote):
+            shadowed = context["ti"].xcom_pull(task_ids=self.replay_task_id) or {}
+            run = shadowed.get("shadow_run")
+            if run is None:
+                raise AirflowSkipException(f"task {self.replay_task_id} made no shadow run (give shadow: true)")
+        if run is None:
+            raise AirflowSkipException("nothing to promote: no promote_run given, and promote is off")
+        t = self.target()
+
+        def on_phase(ph: Any) -> None:
+            self.log.info("promote %s %s: %s %s (%.1fs)", run, t.pipeline.name, ph.name, ph.state, ph.seconds)
+
+        with SparkOnDemand(self.master, f"isbflow-promote-{t.pipeline.name}") as spark_for:
+            try:
+                result = ops_replay.promote(spark_for, t.specs, t.pipeline, t.settings, t.data_dir, str(run),
+                                            on_phase=on_phase)
+            except ops_replay.Unreachable as e:
+                raise RuntimeError(str(e)) from None  # retries apply
+            except ops_replay.ReplayError as e:
+                raise AirflowFailException(str(e)) from None
+        report = json.loads(json.dumps(result.to_json(), default=str))
+        summary = "\n".join(ops_replay.summary(result))
+        self.log.info("%s", summary)
+        emit_sink_events(context, t.pipeline, t.data_dir, by="replay-promote")
+        if not report.get("ok", False):
+            context["ti"].xcom_push(key="return_value", value=report)
+            raise AirflowFailException(f"promote of {run} did not pass its checks:\n{summary}")
         return report

@@ -22,6 +22,7 @@ from isbflow.airflow.ui.models import (
     PipelineView,
     QualityRun,
     RatePoint,
+    ShadowDiff,
     SinkRuns,
     StepView,
 )
@@ -198,6 +199,22 @@ def quality_runs(data_dir: Path, pipelines: list[str], base: str, sink: str | No
     return out
 
 
+def shadow_diff(tag: Any) -> ShadowDiff | None:
+    """A stored report's ``shadow`` tag (run, live table, diff) as the page shows it; None for a
+    run on a live sink or a tag that cannot be read."""
+    if not isinstance(tag, dict) or not isinstance(tag.get("run"), str):
+        return None
+    diff = tag.get("diff") if isinstance(tag.get("diff"), dict) else {}
+    try:
+        return ShadowDiff(run=tag["run"], live_path=tag.get("live_path"), live_version=tag.get("live_version"),
+                          range=tag.get("range") or {}, **{k: diff[k] for k in (
+                              "rows_before", "rows_after", "added", "removed", "changed", "unchanged", "columns",
+                              "samples") if k in diff})
+    except ValueError as e:  # pydantic's ValidationError: show the run, not a broken page
+        log.warning("isbflow UI: unreadable shadow diff of run %s: %s", tag.get("run"), e)
+        return ShadowDiff(run=tag["run"])
+
+
 def quality_run(r: dict[str, Any], pipeline: str, sink: str, base: str) -> QualityRun:
     """One stored report as a row: pass/fail, failed checks with their unexpected counts, links."""
     run_id = str(r.get("run_id"))
@@ -208,7 +225,7 @@ def quality_run(r: dict[str, Any], pipeline: str, sink: str, base: str) -> Quali
                             origin=f.get("origin"), kwargs=f.get("kwargs") or {})
                 for f in r.get("failures") or [] if isinstance(f, dict)]
     success = r.get("success")
-    return QualityRun(pipeline=pipeline, sink=sink, run_id=run_id, time=r.get("time"),
+    return QualityRun(shadow=shadow_diff(r.get("shadow")), pipeline=pipeline, sink=sink, run_id=run_id, time=r.get("time"),
                       success=success if isinstance(success, bool) else None, gate=r.get("gate"),
                       table_version=r.get("table_version"), rows=r.get("rows"),
                       checks=len(r.get("checks") or []), failures=failures, error=r.get("error"),

@@ -99,6 +99,23 @@ class FailedCheck(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class ShadowDiff(BaseModel):
+    """A quality run on a shadow table (a shadow reprocess): the run and its diff against the live rows."""
+
+    run: str
+    live_path: str | None = None
+    live_version: int | None = None
+    range: dict[str, Any] = Field(default_factory=dict)
+    rows_before: int = 0
+    rows_after: int = 0
+    added: int = 0
+    removed: int = 0
+    changed: int = 0
+    unchanged: int = 0
+    columns: dict[str, int] = Field(default_factory=dict)  # rows changed per column
+    samples: dict[str, list[Any]] = Field(default_factory=dict)  # added / removed rows; changed: key + changes
+
+
 class QualityRun(BaseModel):
     pipeline: str
     sink: str
@@ -113,6 +130,7 @@ class QualityRun(BaseModel):
     error: str | None = None
     report_url: str | None = None  # Data Docs page when the run has one, else the JSON
     json_url: str
+    shadow: ShadowDiff | None = None  # set for a run on a shadow table
 
 
 class SinkRuns(BaseModel):

@@ -7,6 +7,7 @@ script from the JSON endpoint, with the same scale).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,5 +59,10 @@ def num(x: float | int | None, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def show(value: Any) -> str:
+    """A sample value as JSON text (strings quoted, None as null); the template escapes it."""
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def render(template: str, **context: Any) -> str:
-    return _env.get_template(template).render(num=num, chart=chart, **context)
+    return _env.get_template(template).render(num=num, chart=chart, show=show, **context)
