@@ -142,8 +142,9 @@ def status(
 ) -> None:
     """Each step's state, batch, committed offsets, lag, rates, unrouted and dead-letter counts.
 
-    unrouted: records no out edge's conditions.tags took (dropped, or dead-lettered with
-    onUnrouted: deadLetter); --json has every heartbeat field (unrouted_total, dlq_total, ...).
+    unrouted: records none of a step's out edges' conditions.tags took (dropped or dead-lettered).
+
+    --json holds every heartbeat field (unrouted_total, dlq_total, ...).
     """
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
