@@ -55,7 +55,8 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, 
         out = call(ops.run_here, specs, p, settings, data_dir_or_default(data_dir), master=master,
                    available_now=available_now, steps=steps, metrics_port=metrics_port,
                    on_step=None if json_out else lambda v, s: console.print(
-                       f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"),
+                       f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"
+                       + (f", unrouted {s.unrouted_total}" if s.unrouted_total else "")),
                    on_metrics=None if json_out else lambda url: console.print(f"metrics on {url}"))
     except ops.PipelineError as e:
         fail(str(e))
@@ -139,7 +140,12 @@ def status(
     nats_url: NatsUrl = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Each step's state, batch, committed offsets, lag, rates and dead-letter count."""
+    """Each step's state, batch, committed offsets, lag, rates, unrouted and dead-letter counts.
+
+    unrouted: records none of a step's out edges' conditions.tags took (dropped or dead-lettered).
+
+    --json holds every heartbeat field (unrouted_total, dlq_total, ...).
+    """
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     st = call(ops.status, settings, p)
@@ -147,13 +153,14 @@ def status(
     if json_out:
         print_json(st.to_json(p.name))
         return
-    t = Table("step", "desired", "state", "batch", "lag (msgs)", "in rows/s", "done rows/s", "dlq", "heartbeat")
+    t = Table("step", "desired", "state", "batch", "lag (msgs)", "in rows/s", "done rows/s", "unrouted", "dlq",
+              "heartbeat")
     for v, s in statuses.items():
         if s is None:
-            t.add_row(v, desired[v].value, "never reported", "", "", "", "", "", "")
+            t.add_row(v, desired[v].value, "never reported", "", "", "", "", "", "", "")
             continue
         t.add_row(v, desired[v].value, s.state, str(s.batch_id), str(sum(s.lag.values())),
-                  f"{s.input_rows_per_s:,.0f}", f"{s.processed_rows_per_s:,.0f}", str(s.dlq_total),
+                  f"{s.input_rows_per_s:,.0f}", f"{s.processed_rows_per_s:,.0f}", str(s.unrouted_total), str(s.dlq_total),
                   f"{s.age():.0f}s ago")
     console.print(t)
     if recovery:

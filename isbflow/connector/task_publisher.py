@@ -24,6 +24,7 @@ from isbflow.connector.write_options import (
     PARTITION_COLUMN,
     RAW_COLUMN,
     UNAVAILABLE_FOR,
+    UNROUTED_COLUMN,
     BufferWriteError,
     InvalidPartitionColumn,
     JetStreamWriteReport,
@@ -112,7 +113,9 @@ class TaskPublisher:
             self.max_payload = min(self.opts.max_payload or self.nc.max_payload, self.nc.max_payload)
             self.kv = await self._status_kv() if self.capacity is not None else None
             for batch in itertools.chain([first], batches):
+                unrouted = self._count_unrouted(batch)
                 batch = await self._dead_letter_errors(batch)
+                batch = self._drop_unrouted(batch, unrouted)
                 for p, rows in self._route(batch):
                     buf = self._buffer(p)
                     buf.pending.append(rows)
@@ -145,6 +148,25 @@ class TaskPublisher:
             buf = self.buffers[p] = _Buffer(p, self.opts.buffer(p))
         return buf
 
+    # -- records no out edge's conditions took (isbflow.steps.routing): counted, never published
+    def _count_unrouted(self, batch: pa.RecordBatch) -> bool:
+        """Count the rows marked unrouted; True when the batch has the column at all."""
+        idx = batch.schema.get_field_index(UNROUTED_COLUMN)
+        if idx < 0:
+            return False
+        n = pc.sum(pc.fill_null(batch.column(idx), False).cast(pa.int64())).as_py() or 0
+        if n:
+            self.report.count(0, "unrouted", n)
+        return True
+
+    @staticmethod
+    def _drop_unrouted(batch: pa.RecordBatch, marked: bool) -> pa.RecordBatch:
+        """The rows to publish: those not marked unrouted (dead-lettered ones are gone already)."""
+        if not marked:
+            return batch
+        keep = pc.invert(pc.fill_null(batch.column(UNROUTED_COLUMN), False))
+        return batch.filter(keep).drop_columns([UNROUTED_COLUMN])
+
     # -- records a step marked bad (e.g. the source's parse): to the dead-letter buffer
     async def _dead_letter_errors(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Rows whose ``_isb_error`` is set go to the DLQ with that reason; the rest flow on."""
@@ -156,7 +178,8 @@ class TaskPublisher:
         if errors.null_count == batch.num_rows:
             return batch.drop_columns(drop)
         bad = pc.is_valid(errors)
-        rejected = batch.filter(bad).drop_columns([c for c in (PARTITION_COLUMN,) if c in batch.schema.names])
+        rejected = batch.filter(bad).drop_columns([c for c in (PARTITION_COLUMN, UNROUTED_COLUMN)
+                                                   if c in batch.schema.names])
         letters = []
         for row in rejected.to_pylist():
             reason = row.pop(ERROR_COLUMN)

@@ -28,6 +28,9 @@ PARTITION_COLUMN = "_isb_partition"
 ERROR_COLUMN = "_isb_error"
 #: The raw record of a rejected row, kept for its dead letter; never published.
 RAW_COLUMN = "_isb_raw"
+#: A row with this column true matched no out edge's conditions (:mod:`isbflow.steps.routing`):
+#: never published, counted as ``unrouted`` (and dead-lettered when ``_isb_error`` is set too).
+UNROUTED_COLUMN = "_isb_unrouted"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 DEFAULT_COMMITTED_KEY = "committed.{to}.{stream}"
 DEFAULT_WINDOW = 32
@@ -178,7 +181,7 @@ def frame_id(step: str, batch_id: int, task: int, partition: int | str, chunk: i
 
 
 _COUNTS = ("frames", "rows", "duplicate_frames", "duplicate_rows", "discarded_frames", "discarded_rows",
-           "dead_lettered")
+           "dead_lettered", "unrouted")
 
 
 @dataclass
@@ -255,8 +258,8 @@ def _add(total: dict[str, Any], stats: Mapping[str, Any]) -> None:
     if last is not None:
         total["lastBatchId"] = last if total["lastBatchId"] is None else max(total["lastBatchId"], last)
     total["blockedSeconds"] = round(total["blockedSeconds"] + float(stats.get("blockedSeconds") or 0.0), 3)
-    for name in _SUMMED:
-        total[name] += int(stats.get(name) or 0)
+    for name in _SUMMED:  # .get: totals written before a count existed lack it
+        total[name] = total.get(name, 0) + int(stats.get(name) or 0)
     for key, counts in (stats.get("partitions") or {}).items():
         agg = total["partitions"].setdefault(key, dict.fromkeys(_COUNTS, 0))
         for name, n in counts.items():

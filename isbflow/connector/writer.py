@@ -15,6 +15,11 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   partitions`` (a keyless edge: tasks spread over partitions, a task's order is
   kept). A null or out-of-range value fails the task with
   :class:`InvalidPartitionColumn`.
+- **Unrouted records.** A row whose ``_isb_unrouted`` column is true matched no
+  out edge's ``conditions`` (:mod:`isbflow.steps.routing` marks them on the
+  first out edge's query): it is not published, it is counted as ``unrouted``,
+  and, when its ``_isb_error`` is set too, dead-lettered with that reason. The
+  column is dropped from the published records.
 - **Frames.** Rows of one partition are cut into frames by
   :func:`isbflow.isb.frames.split_frames` (``frameRows`` rows, at most
   ``maxPayload`` bytes), in input order. Each frame is published with an
@@ -84,6 +89,7 @@ from isbflow.connector.write_options import (  # noqa: F401 - the writer's publi
     PARTITION_COLUMN,
     RAW_COLUMN,
     TOTALS_FILE,
+    UNROUTED_COLUMN,
     BufferWriteError,
     InvalidPartitionColumn,
     JetStreamWriteReport,

@@ -62,6 +62,7 @@ class StepStatus:
     dlq_total: int = 0
     discarded_total: int = 0
     late_total: int = 0
+    unrouted_total: int = 0  # records no out edge's conditions.tags took (dropped or dead-lettered)
     restarts: int = 0  # queries restarted from their checkpoint after a transient failure
     error: str | None = None
     final_offsets: dict[str, Any] | None = None

@@ -67,6 +67,7 @@ from isbflow.sinks.tables import (
 )
 from isbflow.spec.models import OutputMode, Pipeline
 from isbflow.spec.transforms import load_transform
+from isbflow.steps import routing
 from isbflow.steps.restart import retry_transient
 from isbflow.steps.runner import ERROR_COLUMN
 
@@ -112,6 +113,9 @@ def _chain(pipeline: Pipeline, start: str, step: str) -> list[str]:
     if joined:
         raise AggregateError(f"step(s) {joined} have several inputs: recomputing windows from one raw sink "
                              "needs a chain of single-input steps")
+    if pipeline.inputs(chain[0])[0].conditions is not None:  # the raw rows carry no _tags to match
+        raise AggregateError(f"the edge {start!r} -> {chain[0]!r} has conditions.tags: the raw sink's rows "
+                             "carry no tags, so the records it took cannot be told apart")
     return chain
 
 
@@ -155,9 +159,11 @@ def _runner_and_pipeline(runner_or_pipeline: Any) -> tuple[Any, Pipeline]:
 def apply_chain(runner, p: Pipeline, chain: list[str], df):
     """The chain's transforms in batch; with a runner (a Pipeline alone has none) its reference
     tables are read and each step's output is what it writes (no error or raw-record column)."""
-    for name in chain:
+    for i, name in enumerate(chain):
         v = p.vertex(name)
         assert v.udf is not None
+        if i:  # the rows as the edge from the previous step carries them (conditions, no _tags)
+            df = routing.edge_rows(df, p, p.inputs(name)[0])
         if runner is not None:
             df = runner.apply_transform(name, df).drop(ERROR_COLUMN, "_isb_raw")
             continue
@@ -166,7 +172,7 @@ def apply_chain(runner, p: Pipeline, chain: list[str], df):
                                  f"({', '.join(r.name for r in v.udf.references)}): pass a PipelineRunner, "
                                  "not a Pipeline, so they can be read")
         df = load_transform(v.udf.transform)(df)
-    return df
+    return df.drop(routing.TAGS_COLUMN)  # routing metadata never reaches a sink
 
 
 def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
@@ -188,6 +194,9 @@ def recompute(spark, runner_or_pipeline: Any, sink: str, data_dir: str | Path,
     errors: list[AggregateError] = []
     for e in raw_inputs:
         try:
+            if e.conditions is not None:
+                raise AggregateError(f"raw sink {raw_name!r} is fed through conditions.tags ({e.from_!r} -> "
+                                     f"{raw_name!r}): it holds a subset, not every record to recount from")
             start, chain = e.from_, _chain(p, e.from_, step)
             break
         except AggregateError as err:

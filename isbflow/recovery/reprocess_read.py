@@ -32,6 +32,7 @@ from isbflow.isb import state as st
 from isbflow.isb.read import read_range, stream_state
 from isbflow.recovery.reprocess_plan import RangeError, ReprocessError, Source, in_ranges
 from isbflow.spec.models import Pipeline
+from isbflow.steps import routing
 from isbflow.steps.restart import retry_transient
 from isbflow.steps.runner import ERROR_COLUMN
 
@@ -114,7 +115,9 @@ class RangeRows:
             if vx.source is not None:
                 df = self.source_rows.get(v)
             else:
-                ins = [d for d in (self.output(e.from_) for e in self.p.inputs(v)) if d is not None]
+                # each input as its edge carries it: conditions.tags applied, _tags dropped
+                ins = [routing.edge_rows(d, self.p, e) for e in self.p.inputs(v)
+                       if (d := self.output(e.from_)) is not None]
                 df = None
                 for d in ins:
                     df = d if df is None else df.unionByName(d)

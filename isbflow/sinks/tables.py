@@ -59,11 +59,12 @@ def read_version(spark, path: str):
 
 
 def find_raw_sink(spark, pipeline: Pipeline, sink: str, data_dir: str | Path) -> str | None:
-    """The raw sink (has ``_isb_id``) sharing the most upstream steps with ``sink``."""
+    """The raw sink (has ``_isb_id``) sharing the most upstream steps with ``sink``; a sink fed
+    through ``conditions.tags`` holds a subset of the records and is never chosen."""
     mine = pipeline.ancestors(sink)
     best: tuple[int, str] | None = None
     for v in pipeline.spec.vertices:
-        if v.sink is None or v.name == sink:
+        if v.sink is None or v.name == sink or pipeline.filtered(v.name):  # a subset: not a basis
             continue
         shared = len(mine & pipeline.ancestors(v.name))
         if shared == 0 or (best and best[0] >= shared):

@@ -126,6 +126,7 @@ def check_graph(spec: dict[str, Any], services: set[str]) -> list[tuple[Loc, str
     if cycle:
         out.append((("edges",), "cycle: " + " -> ".join(cycle)))
     out.extend(_update_output_rules(raw_vertices, raw_edges, roles))
+    out.extend(_condition_rules(raw_vertices, raw_edges, roles))
     raw_quality = spec.get("quality", [])
     if complete and isinstance(raw_quality, list):
         sinks = sorted(n for n, r in roles.items() if r == "sink")
@@ -186,6 +187,35 @@ def _update_output_rules(raw_vertices: list, raw_edges: list,
             out.append((("edges", i, "partitionKey"), f"{pk!r} is not one of the keys of {a!r} "
                                                       f"({', '.join(keys[a])}): every version of a key must "
                                                       "go to one partition"))
+    return out
+
+
+def _condition_rules(raw_vertices: list, raw_edges: list,
+                     roles: dict[str, str | None]) -> list[tuple[Loc, str]]:
+    """Conditional forwarding (``edges[].conditions``, ``vertices[].onUnrouted``).
+
+    Only a udf's transform sets a record's ``_tags``, so an edge with conditions
+    must leave a udf; ``onUnrouted`` says what happens to a record no out edge
+    takes, so it is refused on a vertex where that cannot happen (no out edge
+    with conditions).
+    """
+    out: list[tuple[Loc, str]] = []
+    conditional: set[str] = set()
+    for i, e in enumerate(raw_edges):
+        if not isinstance(e, dict) or e.get("conditions") is None or not isinstance(e.get("from"), str):
+            continue
+        a = e["from"]
+        conditional.add(a)
+        if roles.get(a) == "source":
+            out.append((("edges", i, "conditions"),
+                        f"{a!r} is a source: it cannot tag records (only a udf's transform sets the "
+                        "_tags column conditions match); put the conditions on an edge leaving a udf"))
+    for i, v in enumerate(raw_vertices):
+        if isinstance(v, dict) and "onUnrouted" in v and isinstance(v.get("name"), str) \
+                and v["name"] not in conditional:
+            out.append((("vertices", i, "onUnrouted"),
+                        f"has no effect: no out edge of {v['name']!r} has conditions, so every record "
+                        "is taken; remove it, or add conditions.tags to its out edges"))
     return out
 
 

@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from isbflow.spec import graph
+from isbflow.spec.conditions import ForwardConditions, TagConditions, TagOperator  # noqa: F401 - re-exported
 from isbflow.spec.expectations import catalog_problems
 from isbflow.spec.fields import (  # noqa: F401 - re-exported
     MAX_PARTITIONS,
@@ -77,6 +78,13 @@ class OnFull(StrEnum):
 class OnBufferLoss(StrEnum):
     FAIL = "fail"
     REPLAY = "replay"
+
+
+class OnUnrouted(StrEnum):
+    """What a step does with a record none of its out edges' ``conditions`` take."""
+
+    DROP = "drop"
+    DEAD_LETTER = "deadLetter"
 
 
 def _usage_percent(value: Any) -> Any:
@@ -236,6 +244,9 @@ class Vertex(SpecModel):
     limits: Limits | None = None
     onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
     onBufferLoss: OnBufferLoss = OnBufferLoss.FAIL
+    #: a record no out edge's ``conditions.tags`` take: dropped and counted (Numaflow's rule), or
+    #: dead-lettered with its tags as the reason; only on a udf with conditional out edges
+    onUnrouted: OnUnrouted = OnUnrouted.DROP
 
     @field_validator("partitions")
     @classmethod
@@ -272,6 +283,8 @@ class Edge(SpecModel):
     from_: str = Field(alias="from")
     to: str
     partitionKey: str | None = None
+    #: only records whose ``_tags`` match reach this edge (:mod:`isbflow.steps.routing`)
+    conditions: ForwardConditions | None = None
 
 
 class QualityGate(StrEnum):
@@ -453,6 +466,12 @@ class Pipeline(SpecModel):
     def descendants(self, name: str) -> set[str]:
         """Every vertex reachable from ``name`` (not ``name`` itself, unless on a cycle)."""
         return graph.reach(name, lambda n: [e.to for e in self.outputs(n)])
+
+    def filtered(self, name: str) -> bool:
+        """True when an edge on some path to ``name`` has ``conditions``: ``name`` receives a subset
+        of the records (conditional forwarding), not every one."""
+        upstream = self.ancestors(name) | {name}
+        return any(e.conditions is not None and e.to in upstream for e in self.spec.edges)
 
     def topological_order(self) -> list[str]:
         """Vertex names, every vertex after all its inputs (the spec has no cycle)."""

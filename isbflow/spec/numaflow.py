@@ -139,7 +139,6 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Sink", "retryStrategy"): ("a failed micro-batch is retried by the step's restart policy; the Delta commit is "
                                 "idempotent per batch"),
     ("Sink", "onSuccess"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Edge", "conditions"): "isbflow has no conditional forwarding: every out edge receives every record",
     ("Edge", "onFull"): "set onFull on the writing vertex (vertices[].onFull): it applies to all its out edges",
     ("Edge", "limits"): ("set limits on the reading vertex (vertices[].limits.bufferMaxLength, "
                          "bufferUsageLimit): they apply to its input buffers"),

@@ -21,8 +21,9 @@ it feeds upserts on its ``keys`` (``isb-delta`` ``mode=upsert``, latest version
 per key and batch), so every window, open ones included, is in the sink.
 
 A vertex with several output edges runs one query per edge (each with its own
-checkpoint); rows are routed to an edge's partitions by
-``pmod(xxhash64(partitionKey), partitions)``, computed in the JVM.
+checkpoint); an edge with ``conditions.tags`` takes only the records whose
+``_tags`` match (:mod:`isbflow.steps.routing`); rows are routed to an edge's
+partitions by ``pmod(xxhash64(partitionKey), partitions)``, computed in the JVM.
 
 After each micro-batch the runner records, per input stream, the sequence the
 step has committed (``committed.<vertex>.<stream>`` in the status bucket: what
@@ -70,6 +71,7 @@ from isbflow.isb.release import release
 from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
+from isbflow.steps import routing
 from isbflow.steps.progress import (  # noqa: F401
     RunningQuery,
     StepRun,
@@ -158,7 +160,8 @@ class PipelineRunner:
         """The schema a vertex writes to its output edges (transforms applied to an empty frame)."""
         if vertex not in self._schemas:
             df = self.apply_transform(vertex, self._empty_input(vertex))
-            self._schemas[vertex] = df.drop(ERROR_COLUMN, "_isb_raw").schema
+            drop = (ERROR_COLUMN, "_isb_raw") + ((routing.TAGS_COLUMN,) if self.p.vertex(vertex).udf else ())
+            self._schemas[vertex] = df.drop(*drop).schema  # _tags is routing metadata (steps.routing)
         return self._schemas[vertex]
 
     def _empty_input(self, vertex: str):
@@ -273,6 +276,7 @@ class PipelineRunner:
             if missing:
                 raise StepError(f"step {vertex!r}: udf.keys {missing} are not columns of what "
                                 f"{v.udf.transform} returns ({', '.join(df.columns)})")
+        routing.check_tags(df, self.p, vertex, v.udf.transform if v.udf else vertex)
         targets: list[tuple[str | None, Any]] = []
         if v.sink:
             targets.append((None, self._sink_writer(v, df)))
@@ -285,7 +289,7 @@ class PipelineRunner:
                 part = F.pmod(F.xxhash64(*[F.col(k) for k in keys]), F.lit(n))
             else:
                 part = F.lit(0)
-            out = df.withColumn(PARTITION_COLUMN, part.cast("int"))
+            out = routing.edge_output(df, self.p, vertex, e).withColumn(PARTITION_COLUMN, part.cast("int"))
             limits = to.effective_limits(self.p.spec.limits)
             stats = str(DataDir(self.data_dir).stats(self.p.name, vertex, e.to))
             opts = {"settings": self.settings_json, "pipeline": self.p.name, "step": vertex, "to": e.to,
@@ -350,6 +354,7 @@ class PipelineRunner:
                 for s, seq in committed.items():
                     self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
         status.dlq_total = self._dlq_total(run)
+        status.unrouted_total = routing.unrouted_total([rq.stats_dir for rq in run.queries])
         status.lag = self._lag(run, committed)
 
     def _dlq_total(self, run: StepRun) -> int:

@@ -218,8 +218,6 @@ def test_external_server_settings_are_fine_without_store_limits(tmp_path):
      ["a source vertex owns no buffer", "got 2"]),
     (lambda t: t.replace("      to: out\n", "      to: out\n      onFull: discardLatest\n"), "edges[0].onFull",
      ["vertices[].onFull"]),
-    (lambda t: t.replace("      to: out\n", "      to: out\n      conditions:\n        tags:\n          values: [a]\n"),
-     "edges[0].conditions", ["no conditional forwarding"]),
     (lambda t: t.replace("    - name: out\n", "    - name: out\n      scale:\n        min: 1\n"), "vertices[1].scale",
      ["does not autoscale"]),
     (lambda t: t.replace("spec:\n", "spec:\n  watermark:\n    maxDelay: 5s\n"), "watermark", ["withWatermark"]),
@@ -241,6 +239,91 @@ def test_numaflow_pipeline_fields_are_refused_and_located(tmp_path, change, path
     assert all(w in p.message for w in words), str(p)
     key = path.rsplit(".", 1)[-1].split("[")[0]
     assert key in f.read_text().splitlines()[p.line - 1], str(p)
+
+
+ROUTED = """\
+apiVersion: numaflow.numaproj.io/v1alpha1
+kind: Pipeline
+metadata:
+  name: p
+spec:
+  vertices:
+    - name: in
+      source:
+        jetstream:
+          subject: a.b
+    - name: tag
+      udf:
+        transform: spark_apps.logs:parse
+    - name: errors
+      sink:
+        delta:
+          path: errors
+    - name: rest
+      sink:
+        delta:
+          path: rest
+  edges:
+    - from: in
+      to: tag
+    - from: tag
+      to: errors
+      conditions:
+        tags:
+          operator: and
+          values: [error, paged]
+    - from: tag
+      to: rest
+      conditions:
+        tags:
+          values: [error]
+"""
+
+
+def test_conditions_are_read_as_numaflow_writes_them(tmp_path):
+    """Numaflow's edge conditions: operator and values kept; a missing operator is Numaflow's default, or."""
+    from isbflow.spec.models import OnUnrouted, TagOperator
+
+    p = load_specs(write(tmp_path, ROUTED)).only_pipeline()
+    by_to = {e.to: e for e in p.spec.edges}
+    assert by_to["tag"].conditions is None
+    assert (by_to["errors"].conditions.tags.operator, by_to["errors"].conditions.tags.values) == (
+        TagOperator.AND, ["error", "paged"])
+    assert by_to["rest"].conditions.tags.operator == TagOperator.OR
+    assert p.vertex("tag").onUnrouted == OnUnrouted.DROP
+    asked = ROUTED.replace("    - name: tag\n", "    - name: tag\n      onUnrouted: deadLetter\n")
+    assert load_specs(write(tmp_path, asked)).only_pipeline().vertex("tag").onUnrouted == OnUnrouted.DEAD_LETTER
+
+
+@pytest.mark.parametrize("change,path,words", [
+    (lambda t: t.replace("operator: and", "operator: AND"), "edges[1].conditions.tags.operator",
+     ["must be one of 'or', 'and', 'not'", "'AND'"]),
+    (lambda t: t.replace("operator: and", "operator: xor"), "edges[1].conditions.tags.operator", ["'xor'"]),
+    (lambda t: t.replace("values: [error, paged]", "values: []"), "edges[1].conditions.tags.values",
+     ["at least one tag"]),
+    (lambda t: t.replace("values: [error, paged]", "values: [error, '']"), "edges[1].conditions.tags.values",
+     ["non-empty strings"]),
+    (lambda t: t.replace("          operator: and\n          values: [error, paged]\n", "          operator: and\n"),
+     "edges[1].conditions.tags.values", ["required"]),
+    (lambda t: t.replace("        tags:\n          operator: and", "        tag:\n          operator: and"),
+     "edges[1].conditions.tag", ["tags"]),
+    (lambda t: t.replace("      to: tag\n", "      to: tag\n      conditions:\n        tags:\n          values: [a]\n"),
+     "edges[0].conditions", ["'in' is a source", "cannot tag"]),
+    (lambda t: t.replace("    - name: in\n", "    - name: in\n      onUnrouted: deadLetter\n"),
+     "vertices[0].onUnrouted", ["no out edge of 'in' has conditions"]),
+    (lambda t: t.replace("    - name: tag\n", "    - name: tag\n      onUnrouted: keep\n"),
+     "vertices[1].onUnrouted", ["'drop'", "'deadLetter'"]),
+])
+def test_bad_conditions_are_located(tmp_path, change, path, words):
+    f = write(tmp_path, change(ROUTED))
+    got = problems(f)
+    assert path in [p.path for p in got], got
+    p = next(p for p in got if p.path == path)
+    assert all(w in p.message for w in words), str(p)
+    # a missing field is located at the mapping that lacks it
+    keys = [k.split("[")[0] for k in path.rsplit(".", 2)[-2:]]
+    assert keys[-1] in f.read_text().splitlines()[p.line - 1] or (
+        p.message == "required field is missing" and keys[0] in f.read_text().splitlines()[p.line - 1]), str(p)
 
 
 def test_a_numaflow_example_pipeline_gets_located_correct_messages(tmp_path):

@@ -82,6 +82,7 @@ def step_view(p: Pipeline, vertex: str, status: StepStatus | None, desired: str 
     view.processed_rows_per_s = status.processed_rows_per_s
     view.rows_total = status.rows_total
     view.dlq_total = status.dlq_total
+    view.unrouted_total = status.unrouted_total
     view.restarts = status.restarts
     view.lag = dict(status.lag)
     view.lag_total = sum(status.lag.values())
@@ -93,10 +94,13 @@ def edge_views(p: Pipeline, statuses: dict[str, StepStatus | None]) -> list[Edge
     """Every edge with its partition streams and the lag the consuming step reports for each."""
     edges: dict[tuple[str, str], EdgeView] = {}
     keys = {(e.from_, e.to): e.partitionKey for e in p.spec.edges}
+    conditions = {(e.from_, e.to): f"tags {e.conditions.tags.operator.value} [{', '.join(e.conditions.tags.values)}]"
+                  for e in p.spec.edges if e.conditions is not None}
     for ep in naming.edge_partitions(p):
         edge = edges.setdefault((ep.from_vertex, ep.to_vertex), EdgeView(
             from_vertex=ep.from_vertex, to_vertex=ep.to_vertex,
-            partition_key=keys.get((ep.from_vertex, ep.to_vertex)), partitions=[]))
+            partition_key=keys.get((ep.from_vertex, ep.to_vertex)),
+            conditions=conditions.get((ep.from_vertex, ep.to_vertex)), partitions=[]))
         consumer = statuses.get(ep.to_vertex)
         lag = consumer.lag.get(ep.stream) if consumer is not None else None
         edge.partitions.append(PartitionView(partition=ep.partition, stream=ep.stream, lag=lag))

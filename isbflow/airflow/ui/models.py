@@ -32,6 +32,7 @@ class StepView(BaseModel):
     processed_rows_per_s: float = 0.0
     rows_total: int = 0
     dlq_total: int = 0
+    unrouted_total: int = 0  # records no out edge's conditions.tags took (Numaflow's "dropped")
     restarts: int = 0
     lag: dict[str, int] = Field(default_factory=dict)  # input stream -> messages behind
     lag_total: int = 0
@@ -49,6 +50,7 @@ class EdgeView(BaseModel):
     from_vertex: str
     to_vertex: str
     partition_key: str | None = None
+    conditions: str | None = None  # "tags <operator> [values]" for an edge with conditions.tags
     partitions: list[PartitionView]
 
 
