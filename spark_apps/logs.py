@@ -8,11 +8,7 @@ of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
   lower case) and ``level`` (trimmed, upper case, ``WARNING`` -> ``WARN``) and
   adds ``is_error`` (``status >= 500`` or level ``ERROR``).
 - :func:`enrich`: joins the reference table ``services`` (``service`` -> ``team``,
-  ``tier``) on ``service``; a service missing from it gets team ``unknown``. It tags
-  each event with its level in lower case (``_tags = ["error"]``, ``["warn"]`` ...):
-  the spec's edge ``enrich -> errors`` has ``conditions.tags`` and takes the
-  ``error`` ones only. ``_tags`` is routing metadata: the runner drops it before
-  the buffers, so no sink holds it.
+  ``tier``) on ``service``; a service missing from it gets team ``unknown``.
 - :func:`per_minute`: 1-minute event-time tumbling windows per service, with a
   2-minute watermark: ``window_start, window_end, service, count, errors,
   latency_avg, latency_p95``. The spec runs it with ``output: update`` and
@@ -42,15 +38,13 @@ def parse(df: DataFrame) -> DataFrame:
 
 
 def enrich(df: DataFrame, services: DataFrame) -> DataFrame:
-    """Left join on ``service``; every input row comes out once (the reference has one row per key),
-    tagged with its level (``_tags``, for the conditional edge to the errors sink)."""
+    """Left join on ``service``; every input row comes out once (the reference has one row per key)."""
     ref = services
     if "team" not in ref.columns:
         ref = ref.withColumn("team", F.lit(None).cast("string"))
     ref = ref.select("service", *[c for c in ref.columns if c != "service"])
     return (df.join(F.broadcast(ref), on="service", how="left")
-            .withColumn("team", F.coalesce(F.col("team"), F.lit(UNKNOWN_TEAM)))
-            .withColumn("_tags", F.array(F.lower(F.col("level")))))
+            .withColumn("team", F.coalesce(F.col("team"), F.lit(UNKNOWN_TEAM))))
 
 
 def per_minute(df: DataFrame) -> DataFrame:

@@ -278,7 +278,7 @@ async def _write_status(settings) -> float:
             await st.record_rates(nc, PIPELINE, parse, now=t)
         parse.input_rows_per_s, parse.processed_rows_per_s, parse.rows_total = 1234.5, 2345.5, 3000
         parse.lag = {"isb-demo-in-parse-0": 3, "isb-demo-in-parse-1": 4}
-        parse.dlq_total, parse.unrouted_total = 2, 5
+        parse.dlq_total = 2
         await st.put_status(nc, PIPELINE, parse)
         await st.put_status(nc, PIPELINE, st.StepStatus("in", state=st.Observed.RUNNING, batch_id=9,
                                                          input_rows_per_s=1000.0, processed_rows_per_s=2000.0,
@@ -390,7 +390,6 @@ def test_pipelines_json_and_page_show_real_status(ui, site):
     assert steps["parse"]["desired"] == "draining" and steps["in"]["desired"] == "running"
     assert (steps["parse"]["input_rows_per_s"], steps["parse"]["processed_rows_per_s"]) == (1234.5, 2345.5)
     assert (steps["parse"]["dlq_total"], steps["parse"]["batch_id"], steps["parse"]["lag_total"]) == (2, 4, 7)
-    assert (steps["parse"]["unrouted_total"], steps["in"]["unrouted_total"]) == (5, 0)
     assert steps["raw"]["stale"] is True and steps["raw"]["heartbeat_age_s"] >= 120
     assert steps["parse"]["heartbeat_age_s"] < 60
     assert [(p["t"], p["input_rows_per_s"], p["processed_rows_per_s"]) for p in steps["parse"]["rates"]] == [
@@ -414,7 +413,6 @@ def test_pipelines_json_and_page_show_real_status(ui, site):
     parse_row = inner(html, "data-step", "parse")
     assert [t for _, _, t in find(parse_row, "data-rate")] == ["1234.5", "2345.5"]
     assert one(parse_row, "data-dlq")[2] == "2" and one(parse_row, "data-lag")[2] == "7"
-    assert one(parse_row, "data-unrouted")[2] == "5"
     assert [a["data-lag"] for _, a, _ in find(html, "data-lag", tag="td") if "data-stream" not in a][-3:] == [
         "3", "4", "11"]
     assert one(html, "data-dlq-messages")[1]["data-dlq-messages"] == "3"
