@@ -89,8 +89,7 @@ def up(
             if report is not None and report.restarts:
                 err_console.print(f"a step failed while the pipeline started; its driver was restarted "
                                   f"{report.restarts} time(s)", style="yellow")
-            password = platform.admin_password(Path(state.airflow_home))
-        _summary(state, password, report, check, reused, time.monotonic() - started)
+        _summary(state, report, check, reused, time.monotonic() - started)
         if not owner:
             console.print(f"Already supervised by pid {state.supervisor_pid} (its terminal's Ctrl-C or "
                           "'isbflow platform down' stops it).", highlight=False)
@@ -127,7 +126,7 @@ def _stop(dd: Path) -> None:
                       + (" and nats-server" if s.nats_started else ""), highlight=False)
 
 
-def _summary(state: platform.PlatformState, password: str | None, report: platform.PipelineReport | None,
+def _summary(state: platform.PlatformState, report: platform.PipelineReport | None,
              check, reused: bool, seconds: float) -> None:
     st = platform.status(Path(state.data_dir))
     nats = st["nats"] or {}
@@ -136,9 +135,9 @@ def _summary(state: platform.PlatformState, password: str | None, report: platfo
     head = "isbflow platform already runs" if reused else f"isbflow platform is up in {seconds:.0f} s"
     c.print(f"[bold green]{head}[/] (memory: Airflow {st['airflow_pss_mb']:.0f} MB, "
             f"NATS {sum(nats.get('pss_mb', [])):.0f} MB{_driver_memory(report)})")
-    c.print(f"  Airflow UI   {state.url}   login: [bold]{platform.ADMIN}[/] / "
-            f"[bold]{password or '(see ' + state.airflow_home + '/simple_auth_manager_passwords.json.generated)'}[/]",
-            highlight=False)
+    # the password is pointed at, never printed (terminal scrollback and CI logs keep what is printed)
+    c.print(f"  Airflow UI   {state.url}   login: [bold]{platform.ADMIN}[/], password in "
+            f"{Path(state.airflow_home) / platform.PASSWORD_FILE} (owner-only)", highlight=False)
     if report is not None:
         rec = report.launch
         steps = ", ".join(f"{v} {s}" for v, s in check.steps.items()) if check else "?"

@@ -57,6 +57,7 @@ from isbflow.platform.airflow import (
     COMPONENTS,
     DEFAULT_API_PORT,
     HEALTH_PARTS,
+    PASSWORD_FILE,
     SCHEDULED_DAGS,
     admin_password,
     airflow_bin,
@@ -124,7 +125,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADMIN", "COMPONENTS", "DEFAULT_API_PORT", "DEFAULT_NATS_PORT", "DEFAULT_PRODUCER_COUNT", "DEFAULT_RATE",
-    "HEALTH_PARTS", "HOST", "MARKER_ENV", "PRODUCER_SEED", "SCHEDULED_DAGS", "STATE_FILE", "PipelineOptions",
+    "HEALTH_PARTS", "HOST", "MARKER_ENV", "PASSWORD_FILE", "PRODUCER_SEED", "SCHEDULED_DAGS", "STATE_FILE", "PipelineOptions",
     "PipelineReport", "PlatformError", "PlatformState", "ProcessState", "Progress", "StopReport", "adopt",
     "admin_password", "airflow_bin", "airflow_env", "airflow_home", "api", "api_token", "dead_process",
     "demo_spec", "drain_launches", "ensure_pipeline", "group_members", "group_memory", "health", "is_healthy",

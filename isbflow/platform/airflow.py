@@ -112,9 +112,13 @@ def airflow_env(home: Path, dags_folder: Path, api_port: int = DEFAULT_API_PORT,
     return env
 
 
+#: where Airflow's SimpleAuthManager writes the generated passwords, under AIRFLOW_HOME
+PASSWORD_FILE = "simple_auth_manager_passwords.json.generated"
+
+
 def admin_password(home: Path) -> str | None:
     """The generated SimpleAuthManager password of ``admin`` (None until the api-server wrote it)."""
-    path = Path(home) / "simple_auth_manager_passwords.json.generated"
+    path = Path(home) / PASSWORD_FILE
     try:
         return json.loads(path.read_text()).get(ADMIN)
     except (OSError, ValueError):
