@@ -1,7 +1,9 @@
 """Executor side of the ``jetstream`` source: messages to the Arrow batches Spark takes.
 
-Pure functions (no NATS, no Spark session): :func:`events_batch` builds one batch of
-events in bulk; :func:`conform` fits a frame's batches to the schema the query was
+Pure functions (no NATS, no Spark session): :func:`events_batches` cuts a task's events
+into batches of at most :data:`EVENTS_BATCH_ROWS` rows or :data:`EVENTS_BATCH_BYTES`
+payload bytes, whichever comes first (always one event at least), and
+:func:`events_batch` builds one in bulk; :func:`conform` fits a frame's batches to the schema the query was
 given, or fails naming the frame (a frame of another schema is a deployment
 mismatch, not a bad record).
 """
@@ -25,8 +27,11 @@ EVENTS_SCHEMA = StructType([
     StructField("_isb_stream", StringType()),
     StructField("_isb_ts", TimestampType()),
 ])
-#: Events per Arrow batch handed to Spark.
+#: Events per Arrow batch handed to Spark, at most.
 EVENTS_BATCH_ROWS = 10_000
+#: Payload bytes per Arrow batch, at most (a batch is cut before the event that would pass
+#: it): 10,000 events of 1 MiB would otherwise make one 10 GiB batch in a Python worker.
+EVENTS_BATCH_BYTES = 64 * 1024 * 1024
 
 
 def arrow_schema(schema: StructType) -> pa.Schema:
@@ -53,6 +58,20 @@ def conform(stream: str, seq: int, batches: list[pa.RecordBatch],
                 raise BufferReadError(f"buffer {stream}: frame {seq} does not fit the given schema "
                                       f"({e})") from None
         yield b
+
+
+def events_batches(msgs: list[Message], stream: str, prefix: str, target: pa.Schema,
+                   max_rows: int = EVENTS_BATCH_ROWS,
+                   max_bytes: int = EVENTS_BATCH_BYTES) -> Iterator[pa.RecordBatch]:
+    """``msgs`` as Arrow batches of at most ``max_rows`` events and ``max_bytes`` payload bytes."""
+    lo, size = 0, 0
+    for i, m in enumerate(msgs):
+        if i > lo and (i - lo >= max_rows or size + len(m[1]) > max_bytes):
+            yield events_batch(msgs[lo:i], stream, prefix, target)
+            lo, size = i, 0
+        size += len(m[1])
+    if lo < len(msgs):
+        yield events_batch(msgs[lo:], stream, prefix, target)
 
 
 def events_batch(msgs: list[Message], stream: str, prefix: str, target: pa.Schema) -> pa.RecordBatch:

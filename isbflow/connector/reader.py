@@ -29,6 +29,11 @@ Options (strings, see :class:`isbflow.connector.options.ReaderOptions`):
   50000 events);
 - batch reads (``spark.read``) only: ``endingOffsets`` (``latest`` or JSON).
 
+Memory per task is bounded in bytes, not only in messages: the range read holds at
+most :func:`isbflow.isb.read.read_bound` bytes (48 MiB with the defaults), and events
+mode yields Arrow batches of at most ``EVENTS_BATCH_ROWS`` rows or
+``EVENTS_BATCH_BYTES`` (64 MiB) of payload, whichever comes first.
+
 Contract: the source is *replayable*. An offset range names exact sequences of
 exact stream incarnations, and ``read`` returns exactly those messages or fails,
 so reading a range twice gives the same rows; this is what makes Spark's
@@ -79,11 +84,13 @@ from pyspark.sql.types import StructType
 
 from isbflow.connector import offsets as off
 from isbflow.connector.batches import (  # noqa: F401
+    EVENTS_BATCH_BYTES,
     EVENTS_BATCH_ROWS,
     EVENTS_SCHEMA,
     arrow_schema,
     conform,
     events_batch,
+    events_batches,
 )
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
@@ -259,8 +266,7 @@ class _RangeReader:
         else:
             prefix = f"{self.opts.source_name}/{p.index}/"
             for msgs in chunks:
-                for i in range(0, len(msgs), EVENTS_BATCH_ROWS):
-                    yield events_batch(msgs[i:i + EVENTS_BATCH_ROWS], p.stream, prefix, target)
+                yield from events_batches(msgs, p.stream, prefix, target)
 
 
     def _bad_frame(self, p: JetStreamPartition, seq: int, data: bytes, headers: dict, why: str) -> dlq.DeadLetter:

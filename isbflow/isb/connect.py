@@ -219,12 +219,15 @@ async def connect(
     (``-1``: forever), and connection errors from then on are logged.
     """
     import nats
-    from nats.errors import AuthorizationError, NoServersError
+    from nats.errors import AuthorizationError, NoServersError, SlowConsumerError
 
     errors: collections.deque[BaseException] = collections.deque(maxlen=8)
     connected = False
+    drops: collections.Counter[object] = collections.Counter()
 
     async def on_error(e: BaseException) -> None:
+        if isinstance(e, SlowConsumerError):  # counted for dropped_messages(); a read fails on it
+            drops[e.sub] += 1
         if connected:
             log.warning("ISB service %s: %s", settings.display, e or type(e).__name__)
         else:
@@ -268,7 +271,15 @@ async def connect(
         raise IsbUnreachable(f"cannot reach the ISB service at {settings.display}: {text}") from None
     connected = True
     nc.options["max_reconnect_attempts"] = reconnect_attempts
+    nc.isbflow_drops = drops
     return nc
+
+
+def dropped_messages(nc: nats.aio.client.Client, sub: object) -> int:
+    """Messages the client dropped on subscription ``sub`` because its pending limits were
+    full (nats-py drops them and reports a slow consumer); 0 for a client not made by
+    :func:`connect`."""
+    return getattr(nc, "isbflow_drops", {}).get(sub, 0)
 
 
 def settings_to_json(settings: NatsSettings) -> str:

@@ -1,0 +1,60 @@
+"""Range reads (isbflow.isb.read) of large events against a real nats-server: every event once,
+and the bytes one read holds bounded (issue 19: 1 MiB events made a worker hold tens of GiB)."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+import pytest
+from nats.js.api import StreamConfig
+
+from isbflow.isb import read
+from isbflow.isb.connect import connect
+
+EVENTS = 200
+EVENT_BYTES = 1 << 20
+MIB = 1 << 20
+
+
+async def _publish(nc) -> None:
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="big", subjects=["big"], allow_direct=True))
+    for i in range(EVENTS):
+        await js.publish("big", bytes([i % 251]) * EVENT_BYTES)
+
+
+@pytest.mark.parametrize("path", ["consume_range", "read_range"])
+def test_one_mib_events_are_read_once_within_the_byte_bound(nats_server, path):
+    """200 events of 1 MiB (200 MiB) in one range: each lists at most a request's bytes, and the
+    Python heap of the reading process peaks near ``read_bound``, not at the range's size."""
+    chunk_bytes = 4 * MIB
+
+    async def go():
+        nc = await connect(nats_server.settings)
+        try:
+            await _publish(nc)
+            bound = read.read_bound(nc, max(chunk_bytes, nc.max_payload + 4096)
+                                    if path == "consume_range" else chunk_bytes)
+            seqs, largest = [], 0
+            tracemalloc.start()
+            try:
+                async for msgs in getattr(read, path)(nc, "big", 1, EVENTS, chunk_bytes=chunk_bytes):
+                    largest = max(largest, sum(len(m[1]) for m in msgs))
+                    for seq, data, _, _ in msgs:
+                        assert len(data) == EVENT_BYTES and data[:1] == bytes([(seq - 1) % 251])
+                        seqs.append(seq)
+                    del msgs
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            return seqs, largest, peak, bound, nc.max_payload
+        finally:
+            await nc.close()
+
+    seqs, largest, peak, bound, max_payload = asyncio.run(go())
+    assert seqs == list(range(1, EVENTS + 1))  # every event, once, in order
+    per_request = max(chunk_bytes, max_payload + 4096) if path == "consume_range" else chunk_bytes
+    assert largest <= per_request + EVENT_BYTES, f"a list of {largest} bytes"
+    assert bound < EVENTS * EVENT_BYTES / 4
+    assert peak <= bound, f"peak {peak / MIB:.1f} MiB held, bound {bound / MIB:.1f} MiB"
