@@ -42,7 +42,8 @@ MALFORMED_EVERY = 500
 # ----------------------------------------------------------------------------- helpers
 
 
-def _setup(spark, settings, data_dir, spec=SPEC):
+def setup_and_run(spark, settings, data_dir, spec=SPEC):
+    """Provision ``spec``'s pipeline, produce COUNT events, run it once with transform version 1."""
     specs = load_specs(spec)
     p = specs.only_pipeline()
     asyncio.run(provision.apply(settings, specs))
@@ -171,7 +172,7 @@ def test_replace_keys_one_commit(tmp_path):
 
 def test_reprocess_by_offsets(spark, nats_server, tmp_path):
     settings = nats_server.settings
-    specs, p = _setup(spark, settings, tmp_path)
+    specs, p = setup_and_run(spark, settings, tmp_path)
     raw_path, agg_path = str(tmp_path / "sinks/rp/raw"), str(tmp_path / "sinks/rp/agg")
     before = raw_rows(tmp_path)
     assert {seq_of(i) for i in before} == good_seqs()
@@ -287,7 +288,7 @@ def test_reprocess_by_event_time_append_windows_and_cli(spark, nats_server):
     assert APPEND_ONLY in text
     spec = tmp_path / "reprocess-append.yaml"
     spec.write_text(with_helpers_package(text.replace(APPEND_ONLY, "")))
-    specs, p = _setup(spark, settings, tmp_path, spec)
+    specs, p = setup_and_run(spark, settings, tmp_path, spec)
     raw_path, agg_path = str(tmp_path / "sinks/rp/raw"), str(tmp_path / "sinks/rp/agg")
     before = raw_rows(tmp_path)
     agg_before = agg_rows(tmp_path)

@@ -13,29 +13,24 @@ command, with ``--json``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from deltalake import DeltaTable
 
-from isbflow.isb import ledger, provision
+from isbflow.isb import ledger
 from isbflow.ops import replay as ops_replay
-from isbflow.ops.produce import produce
 from isbflow.quality.reports import list_reports
 from isbflow.recovery.reprocess import reprocess
 from isbflow.recovery.shadow import ShadowError, load_run, run_dir
-from isbflow.spec import load_specs
-from isbflow.steps.runner import PipelineRunner
 from tests.helpers import reprocess_transforms
 from tests.recovery.test_reprocess import (
-    COUNT,
-    MALFORMED_EVERY,
     SPEC,
     check_agg_equals_recount,
     good_seqs,
     raw_rows,
     seq_of,
+    setup_and_run,
 )
 
 SUITE = """\
@@ -53,17 +48,7 @@ CHECK = "expect_column_values_to_be_between"
 def _pipeline(spark, settings, data_dir):
     spec = data_dir / "reprocess-shadow.yaml"
     spec.write_text(SPEC.read_text() + SUITE)
-    specs = load_specs(spec)
-    p = specs.only_pipeline()
-    asyncio.run(provision.apply(settings, specs))
-    r = asyncio.run(produce(settings, p, count=COUNT, seed=3, malformed_every=MALFORMED_EVERY))
-    assert r.published == COUNT
-    reprocess_transforms.VERSION = 1
-    runner = PipelineRunner(spark, specs, p, settings, data_dir)
-    try:
-        runner.run_available_now()
-    finally:
-        runner.close()
+    specs, p = setup_and_run(spark, settings, data_dir, spec)
     return spec, specs, p
 
 
