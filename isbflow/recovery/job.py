@@ -75,9 +75,12 @@ class RecoveryJob:
     """
 
     def __init__(self, settings: NatsSettings, pipeline: Pipeline, report: Report, *, verb: str,
-                 status_key: str, on_phase: Callable[[Phase], None] | None = None):
+                 status_key: str, on_phase: Callable[[Phase], None] | None = None,
+                 recorded: tuple[type[BaseException], ...] = ()):
         self.p, self.report, self.verb, self.status_key = pipeline, report, verb, status_key
         self.on_phase = on_phase
+        self.recorded = recorded
+        self.closers: list[Callable[[], None]] = []
         self.session = SyncSession(settings, name=f"isbflow-{verb}-{pipeline.name}")
         self.started = time.monotonic()
         self.connected = False
@@ -130,6 +133,29 @@ class RecoveryJob:
 
     def close(self) -> None:
         self.session.close()
+
+    def own(self, thing: T) -> T:
+        """``thing`` (a run holding resources) is closed with the job, before its connection."""
+        self.closers.append(thing.close)  # type: ignore[attr-defined]
+        return thing
+
+    # The one lifecycle of recover, reprocess and promote: ``with RecoveryJob(...) as job:``.
+    # An error leaving the block fails the report (an ``error`` phase unless it is one of the
+    # ``recorded`` kinds, whose phase already says so) and propagates; what the job owns and its
+    # connection are closed either way.
+    def __enter__(self) -> RecoveryJob:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        try:
+            if error is not None:
+                self.failed(error, recorded=isinstance(error, self.recorded))
+        finally:
+            try:
+                for close in reversed(self.closers):
+                    close()
+            finally:
+                self.close()
 
 
 # ------------------------------------------------------------------ the region

@@ -214,8 +214,8 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
     ``replay_timeout``: seconds the pipelined replay may take (default: no limit).
     """
     report = RecoveryReport(pipeline.name)
-    job = RecoveryJob(settings, pipeline, report, verb="recover", status_key="recovery", on_phase=on_phase)
-    try:
+    with RecoveryJob(settings, pipeline, report, verb="recover", status_key="recovery", on_phase=on_phase,
+                     recorded=(RecoveryError,)) as job:
         job.connect()
         r = _Recovery(job, specs, settings, Path(data_dir).absolute())
         if not r.detect(lost):
@@ -231,11 +231,6 @@ def recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         report.state = "recovered"
         job.publish()
         return report
-    except BaseException as e:
-        job.failed(e, recorded=isinstance(e, RecoveryError))
-        raise
-    finally:
-        job.close()
 
 
 class _Recovery:

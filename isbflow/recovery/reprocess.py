@@ -148,13 +148,12 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
     report = ReprocessReport(p.name, mode="event-time" if by_time else "offsets", dry_run=dry_run)
     report.asked = ({"from_time": _text(from_time), "to_time": _text(to_time)} if by_time
                     else {"from": _text(from_offset), "to": _text(to_offset)})
-    job = RecoveryJob(settings, p, report, verb="reprocess", status_key=STATUS_KEY, on_phase=on_phase)
-    r = None
-    try:
+    with RecoveryJob(settings, p, report, verb="reprocess", status_key=STATUS_KEY, on_phase=on_phase) as job:
         lo_map, hi_map, t_lo, t_hi = check_asked(p, from_offset, to_offset, from_time, to_time)
         spark = spark() if callable(spark) else spark
         job.connect()
-        r = ReprocessRun(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()), settings)
+        r = job.own(ReprocessRun(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()),
+                                 settings))
         r.plan(lo_map, hi_map, by_time, time_column)
         r.read(t_lo, t_hi, by_time)
         if dry_run:
@@ -170,13 +169,6 @@ def reprocess(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, d
             report.state = "reprocessed"
         job.publish()
         return report
-    except BaseException as e:
-        job.failed(e)
-        raise
-    finally:
-        if r is not None:
-            r.close()
-        job.close()
 
 
 def _text(value: Any) -> str | None:

@@ -161,13 +161,11 @@ def promote(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
     refusals = suite_refusals(rec)
     if refusals:
         raise PromoteRefused(f"shadow run {run} is not promoted: " + "; ".join(refusals))
-    job = RecoveryJob(settings, p, report, verb="promote", status_key=STATUS_KEY, on_phase=on_phase)
-    r = None
-    try:
+    with RecoveryJob(settings, p, report, verb="promote", status_key=STATUS_KEY, on_phase=on_phase) as job:
         spark = spark() if callable(spark) else spark
         job.connect()
-        r = PromoteRun(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()),
-                       settings, rec)
+        r = job.own(PromoteRun(job, spark, PipelineRunner(spark, specs, p, settings, Path(data_dir).absolute()),
+                               settings, rec))
         r.check()
         r.replace()
         r.windows()
@@ -179,10 +177,3 @@ def promote(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, dat
         save_run(data_dir, rec)
         job.publish()
         return report
-    except BaseException as e:
-        job.failed(e)
-        raise
-    finally:
-        if r is not None:
-            r.close()
-        job.close()
