@@ -194,7 +194,7 @@ def _supervise(state: platform.PlatformState) -> int:
 
 @app.command()
 def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
-    """Show the platform's processes (PID, alive, memory), Airflow's health, the pipeline's steps
+    """Show the platform's processes (PID, alive, CPU over half a second, memory), Airflow's health, the pipeline's steps
     (state, rates, lag) and the producer.
 
     Exit 1 when it is not running or not healthy.
@@ -212,20 +212,25 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
 
 
 def _print_status(st: dict) -> None:
-    t = Table("process", "pid", "alive", "memory MB (PSS)")
+    t = Table("process", "pid", "alive", "CPU % (1 core = 100)", "memory MB (PSS)")
+
+    def row(name: str, p: dict, alive: str) -> None:
+        live = "cpu_pct" in p
+        t.add_row(name, str(p["pid"]), alive, f"{p['cpu_pct']:.0f}" if live else "",
+                  f"{p['pss_mb']:.0f}" if live and "pss_mb" in p else "")
+
     for p in st["processes"]:
-        t.add_row(f"airflow {p['name']}", str(p["pid"]), "yes" if p["alive"] else "NO", f"{p['pss_mb']:.0f}")
-    for n, mb in zip((st["nats"] or {}).get("nodes", []), (st["nats"] or {}).get("pss_mb", []), strict=False):
-        t.add_row(f"nats-server {n['name']}", str(n["pid"]), "yes", f"{mb:.0f}")
+        row(f"airflow {p['name']}", p, "yes" if p["alive"] else "NO")
+    nats = st["nats"] or {}
+    for n, mb, cpu in zip(nats.get("nodes", []), nats.get("pss_mb", []), nats.get("cpu_pct", []), strict=False):
+        row(f"nats-server {n['name']}", {"pid": n["pid"], "pss_mb": mb, "cpu_pct": cpu}, "yes")
     prod = st.get("producer")
     if prod:
-        t.add_row(f"producer ({prod['rate']:g}/s)", str(prod["pid"]), "yes" if prod["alive"] else "no (exited)",
-                  f"{platform.group_memory(prod['pid']) / 2**20:.0f}" if prod["alive"] else "")
+        row(f"producer ({prod['rate']:g}/s)", prod, "yes" if prod["alive"] else "no (exited)")
     pipe = st.get("pipeline") or {}
     launch = pipe.get("launch")
     if launch:
-        t.add_row(f"pipeline {pipe.get('name')} driver", str(launch["pid"]), "yes" if launch["alive"] else "no",
-                  f"{platform.group_memory(launch['pid']) / 2**20:.0f}" if launch["alive"] else "")
+        row(f"pipeline {pipe.get('name')} driver", launch, "yes" if launch["alive"] else "no")
     console.print(t)
     h = st["health"] or {}
     parts = ", ".join(f"{k} {(h.get(k) or {}).get('status', '?')}" for k in platform.HEALTH_PARTS) \

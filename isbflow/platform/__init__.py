@@ -95,6 +95,7 @@ from isbflow.platform.procs import (
     MARKER_ENV,
     group_members,
     group_memory,
+    groups_cpu_percent,
     kill_pids,
     marked_processes,
     reap,
@@ -296,9 +297,10 @@ def stop(data_dir: Path, grace: float = 20.0, drain_timeout: float = 180.0,
 
 # -- status ----------------------------------------------------------------------------------------------
 
-def status(data_dir: Path) -> dict:
-    """Liveness, memory and health of the recorded platform (``running`` false when none), its
-    pipeline's steps and its producer."""
+def status(data_dir: Path, cpu_interval: float = 0.5) -> dict:
+    """Liveness, memory (PSS) and CPU of the recorded platform's processes (``running`` false when
+    none), its health, its pipeline's steps and its producer. CPU is each process group's use over
+    ``cpu_interval`` seconds in percent of one core (``cpu_pct``), sampled for all groups at once."""
     data_dir = Path(data_dir).resolve()
     state = read_state(data_dir)
     nats = nats_server.read_state(data_dir)
@@ -318,4 +320,21 @@ def status(data_dir: Path) -> dict:
                            "rate": state.pipeline.rate if state.pipeline else None}
     if nats and all(nats.alive()):
         out["pipeline"] = pipeline_status(state)
+    _add_cpu_and_memory(out, nats, cpu_interval)
     return out
+
+
+def _add_cpu_and_memory(out: dict, nats, interval: float) -> None:
+    """``cpu_pct`` on every live process entry (one sample of all groups), and ``pss_mb`` on the
+    producer's and the driver's."""
+    live = [p for p in out["processes"] if p["alive"]]
+    for extra in (out.get("producer"), (out.get("pipeline") or {}).get("launch")):
+        if extra and extra.get("alive"):
+            extra["pss_mb"] = round(group_memory(extra["pid"]) / 2**20, 1)
+            live.append(extra)
+    nodes = list(nats.nodes) if nats else []
+    cpu = groups_cpu_percent([p["pid"] for p in live] + [n.pid for n in nodes], interval)
+    for p in live:
+        p["cpu_pct"] = cpu[p["pid"]]
+    if nodes:
+        out["nats"]["cpu_pct"] = [cpu[n.pid] for n in nodes]

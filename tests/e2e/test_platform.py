@@ -87,6 +87,10 @@ def test_up_runs_the_demo_on_loopback(scenario):
     assert st["supervised"], st
     assert st["producer"]["alive"] and st["producer"]["rate"] == 200, st["producer"]
     assert st["pipeline"]["launch"]["alive"], st["pipeline"]
+    # CPU and memory per process (platform status prints both)
+    live = [*st["processes"], st["producer"], st["pipeline"]["launch"]]
+    assert all(p["cpu_pct"] >= 0 and p["pss_mb"] > 0 for p in live), live
+    assert len(st["nats"]["cpu_pct"]) == len(st["nats"]["nodes"]), st["nats"]
 
     first = wait_for(lambda: delta_rows(scenario.raw), 300, "the raw sink's first commit")
     wait_for(lambda: delta_rows(scenario.raw) > first, 240, f"the raw sink to grow past {first} rows")

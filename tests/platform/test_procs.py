@@ -88,3 +88,20 @@ def test_state_keeps_start_times_and_checks_the_supervisor(tmp_path, child):
     assert not again.supervised() and not platform.ProcessState("x", child.pid, "", started(child) + 1).alive()
     again.supervisor_start = None  # an older state file: trusted by PID
     assert again.supervised()
+
+
+def test_group_cpu_is_measured_per_process_group(child):
+    """A busy process group shows its CPU and an idle one (``child`` sleeps) shows next to none:
+    what ``isbflow platform status`` prints per process."""
+    from isbflow.platform.procs import group_cpu_seconds, groups_cpu_percent
+
+    busy = subprocess.Popen(["python3", "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"],
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        pct = groups_cpu_percent([busy.pid, child.pid], interval=1.0)
+        assert pct[busy.pid] > 10.0 + pct[child.pid], pct
+        assert group_cpu_seconds(busy.pid) > 0.0
+        assert group_cpu_seconds(99_999_999) == 0.0  # no such group: nothing, not an error
+    finally:
+        busy.kill()
+        busy.wait(timeout=10)
