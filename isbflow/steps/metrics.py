@@ -107,10 +107,13 @@ class PipelineMetrics:
                                   registry=r)
         self.dead_letters = Counter("isbflow_step_dead_letters",
                                     "Records the step sent to the dead-letter buffer", STEP, registry=r)
+        self.unrouted = Counter("isbflow_step_unrouted_records",
+                                "Records no out edge's conditions.tags took (dropped, or dead-lettered with "
+                                "onUnrouted: deadLetter)", STEP, registry=r)
         self.state = Gauge("isbflow_step_state", "1 for the step's current state, 0 for the others",
                            [*STEP, "state"], registry=r)
         self._seen: dict[tuple[str, str | None], str] = {}  # (step, to) -> timestamp of the last progress
-        self._dlq: dict[str, int] = {}
+        self._totals: dict[tuple[str, str], int] = {}  # (step, counter) -> the status total counted so far
 
     # ------------------------------------------------------------------ observing
     def observe(self, runner: PipelineRunner, run: StepRun) -> None:
@@ -127,6 +130,7 @@ class PipelineMetrics:
         labels = {"pipeline": self.pipeline.name, "step": step}
         self.records_in.labels(**labels)  # every series exists (at 0) from the first heartbeat on
         self.dead_letters.labels(**labels)
+        self.unrouted.labels(**labels)
         for i, rq in enumerate(run.queries):
             self.records_out.labels(**labels, to=rq.to or SINK_TARGET)
             for prog in self._new_progress((step, rq.to), rq.query.recentProgress or []):
@@ -141,10 +145,8 @@ class PipelineMetrics:
         status = run.status
         if status is None:
             return
-        dlq = int(status.dlq_total or 0)
-        if dlq > self._dlq.get(step, 0):
-            self.dead_letters.labels(**labels).inc(dlq - self._dlq.get(step, 0))
-        self._dlq[step] = max(dlq, self._dlq.get(step, 0))
+        self._count_up(self.dead_letters, labels, "dlq", status.dlq_total)
+        self._count_up(self.unrouted, labels, "unrouted", status.unrouted_total)
         for stream, lag in status.lag.items():
             self.lag.labels(**labels, stream=stream).set(lag)
         limits = self.pipeline.vertex(step).effective_limits(self.pipeline.spec.limits)
@@ -156,6 +158,16 @@ class PipelineMetrics:
             self.buffer_limit.labels(**labels, stream=ep.stream).set(limits.bufferUsageLimit or 0.0)
         for state in Observed:
             self.state.labels(**labels, state=state.value).set(1.0 if status.state == state else 0.0)
+
+    def _count_up(self, counter: Counter, labels: dict, name: str, total: int | None) -> None:
+        """Add what a running total of the step's status gained since the last observation (a
+        total that goes back, after a restart re-reads fewer stats, adds nothing)."""
+        key = (labels["step"], name)
+        seen = self._totals.get(key, 0)
+        total = int(total or 0)
+        if total > seen:
+            counter.labels(**labels).inc(total - seen)
+            self._totals[key] = total
 
     def _new_progress(self, key: tuple[str, str | None], progress: list[dict]) -> list[dict]:
         """Progress reports newer than the last one seen for this query (timestamps only grow)."""

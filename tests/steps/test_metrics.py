@@ -58,12 +58,17 @@ def test_observe_counts_each_batch_once(tmp_path):
         (stats / f"batch-{b}.json").write_text(json.dumps({"batchId": b, "rows": rows}))
     progress = [_progress(0, 1000, 3000, "2026-01-01T00:00:01.000Z"),
                 _progress(1, 500, 1000, "2026-01-01T00:00:02.000Z")]
-    status = StepStatus("in", state="running", dlq_total=3, lag={"src-logs-in": 7})
+    status = StepStatus("in", state="running", dlq_total=3, unrouted_total=4, lag={"src-logs-in": 7})
     run = _run("in", [_query("parse", progress, str(stats))], status)
 
     m.observe(None, run)  # type: ignore[arg-type]
     progress.append(_progress(2, 0, 5, "2026-01-01T00:00:12.000Z", ran=False))  # an idle trigger
     m.observe(None, run)  # type: ignore[arg-type]  # again: nothing new is counted twice
+    assert value(m, "isbflow_step_unrouted_records_total", step="in") == 4
+    run.status = StepStatus("in", state="running", dlq_total=3, unrouted_total=9, lag={"src-logs-in": 7})
+    m.observe(None, run)  # type: ignore[arg-type]
+    assert value(m, "isbflow_step_unrouted_records_total", step="in") == 9  # only what the total gained
+    run.status = status
 
     assert value(m, "isbflow_step_records_in_total", step="in") == 1500
     assert value(m, "isbflow_step_records_out_total", step="in", to="parse") == 1497
@@ -92,7 +97,8 @@ def test_buffer_usage_and_series_names():
     names = series_names(PipelineMetrics(P).registry)
     assert {"isbflow_step_records_in_total", "isbflow_step_records_out_total",
             "isbflow_step_batch_duration_seconds_bucket", "isbflow_step_lag_messages",
-            "isbflow_buffer_usage_ratio", "isbflow_step_dead_letters_total"} <= names
+            "isbflow_buffer_usage_ratio", "isbflow_step_dead_letters_total",
+            "isbflow_step_unrouted_records_total"} <= names
 
 
 # ---------------------------------------------------------------------------------- a running pipeline
