@@ -107,18 +107,23 @@ class Limits(SpecModel):
     ``bufferUsageLimit`` is written in percent as in Numaflow (1..100, ``85`` means 85%)
     and held as a fraction (``0.85``): the share of ``bufferMaxLength`` at which writers
     apply ``onFull``. Dumping the model writes percent again, so a dump validates back.
+
+    ``readTimeout`` is a step's latency budget, as in Numaflow (how long a read may wait
+    before the batch goes on): here the micro-batch trigger interval of the step's queries,
+    pipeline-wide and overridable per vertex (default 1 s; 10 ms to 1 h).
     """
 
     readBatchSize: StrictInt | None = Field(default=None, ge=1)
     bufferMaxLength: StrictInt | None = Field(default=None, ge=1)
     bufferUsageLimit: Annotated[float | None, BeforeValidator(_usage_percent)] = None
+    readTimeout: Duration | None = Field(default=None, ge=0.01, le=3600.0)
 
     @field_serializer("bufferUsageLimit")
     def _as_percent(self, v: float | None) -> int | None:
         return None if v is None else round(v * 100)
 
 
-DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=80)
+DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=80, readTimeout=1.0)
 
 
 class JetStreamSource(SpecModel):

@@ -88,8 +88,6 @@ FIELDS: dict[tuple[str, str], str] = {
                                           "batches bounded by settings.max_payload"),
     ("PipelineSpec", "ordered"): ("order is kept per partition: records with the same partitionKey go to the same "
                                   "partition, in order (edges[].partitionKey)"),
-    ("Limits", "readTimeout"): ("steps read by micro-batch: the trigger interval sets the latency, readBatchSize "
-                                "caps a batch"),
     ("Limits", "rateLimit"): "isbflow does not rate-limit steps: readBatchSize caps each micro-batch",
     ("Limits", "concurrency"): ("a step's parallelism is its input partitions (one Spark read task each) and "
                                 "the Spark cluster's cores"),

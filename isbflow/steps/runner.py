@@ -102,9 +102,19 @@ PARTITION_COLUMN = "_isb_partition"
 ERROR_COLUMN = "_isb_error"
 
 
+def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None) -> str:
+    """The micro-batch interval of ``v``'s queries: ``override`` when given (a runner's
+    ``processing_time``, every step alike), else the spec's ``limits.readTimeout`` (the vertex's
+    over the pipeline's, default 1 s)."""
+    if override:
+        return override
+    seconds = v.effective_limits(p.spec.limits).readTimeout or 1.0
+    return f"{round(seconds * 1000)} milliseconds"
+
+
 class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
-                 processing_time: str = "1 second", starting_offsets: dict[str, dict] | None = None,
+                 processing_time: str | None = None, starting_offsets: dict[str, dict] | None = None,
                  sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None,
                  restarts: RestartPolicy = DEFAULT_RESTARTS):
         self.spark = spark
@@ -129,6 +139,9 @@ class PipelineRunner:
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
 
     # ------------------------------------------------------------------ planning
+    def trigger_interval(self, v: Vertex) -> str:
+        return trigger_interval(self.p, v, self.processing_time)
+
     def sink_path(self, v: Vertex) -> str:
         assert v.sink is not None
         path = Path(v.sink.delta.path)
@@ -308,7 +321,7 @@ class PipelineRunner:
             w = w.outputMode("update" if keys else "append")
             w = w.option("checkpointLocation", self.checkpoint(vertex, to))
             w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
-            w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.processing_time)
+            w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.trigger_interval(v))
             q = w.start()
             stats_dir = None if to is None else str(DataDir(self.data_dir).stats(self.p.name, vertex, to))
             run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir, writer=w))

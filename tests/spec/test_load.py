@@ -69,6 +69,10 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "limits.bufferUsageLimit", ["percentage from 1 to 100", "got 150"]),
     ("usage-negative", lambda d: _vertex(d, "enrich").update(limits={"bufferUsageLimit": -1}),
      "vertices[2].limits.bufferUsageLimit", ["percentage from 1 to 100", "got -1"]),
+    ("read-timeout-zero", lambda d: _pl(d)["limits"].update(readTimeout="0s"),
+     "limits.readTimeout", ["must be >= 0.01"]),
+    ("read-timeout-words", lambda d: _vertex(d, "enrich").update(limits={"readTimeout": "soon"}),
+     "vertices[2].limits.readTimeout", ["must be a duration", "'soon'"]),
     ("usage-fraction", lambda d: _pl(d)["limits"].update(bufferUsageLimit=0.8),  # isbflow's old unit
      "limits.bufferUsageLimit", ["whole percentage", "got 0.8", "write 80 for 80%"]),
     ("duplicate-vertex", lambda d: _pl(d)["vertices"].append({"name": "parse", "udf": {"transform": "spark_apps.logs:parse"}}),
@@ -298,6 +302,12 @@ def test_vertex_limits_merge_pipeline_then_vertex(tmp_path):
     p: Pipeline = load_specs(_write(tmp_path / "x.yaml", docs)).only_pipeline()
     lim = p.vertex("parse").effective_limits(p.spec.limits)
     assert (lim.readBatchSize, lim.bufferMaxLength, lim.bufferUsageLimit) == (7, 2_000_000, 0.8)
+    assert lim.readTimeout == 1.0  # the default trigger interval
+
+    docs[1]["spec"]["limits"]["readTimeout"] = "5s"
+    docs[1]["spec"]["vertices"][2]["limits"] = {"readTimeout": "250ms"}
+    p = load_specs(_write(tmp_path / "y.yaml", docs)).only_pipeline()
+    assert [p.vertex(v).effective_limits(p.spec.limits).readTimeout for v in ("parse", "enrich")] == [5.0, 0.25]
 
 
 # ------------------------------------------------------------------ the CLI

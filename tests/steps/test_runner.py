@@ -24,8 +24,9 @@ from isbflow.isb.state import Observed
 from isbflow.ops.produce import is_malformed, produce
 from isbflow.quality.run import read_version
 from isbflow.spec import load_specs
+from isbflow.spec.models import Limits
 from isbflow.steps.drain import drain_pipeline
-from isbflow.steps.runner import PipelineRunner
+from isbflow.steps.runner import PipelineRunner, trigger_interval
 from spark_apps import logs
 from tests.conftest import ROOT
 
@@ -142,6 +143,19 @@ def test_available_now_end_to_end(spark, demo):
     assert check_agg_is_batch_recount(spark, data_dir, exclude=late_ids) == windows
 
 
+def test_the_trigger_interval_comes_from_read_timeout_vertex_over_pipeline():
+    p = load_specs(ROOT / "pipelines" / "logs.yaml").only_pipeline()
+    assert {trigger_interval(p, v) for v in p.spec.vertices} == {"1000 milliseconds"}  # the default
+    limits = p.spec.limits.model_copy(update={"readTimeout": 5.0})
+    spec = p.spec.model_copy(update={"limits": limits, "vertices": [
+        v.model_copy(update={"limits": Limits(readTimeout=0.25)}) if v.name == "enrich" else v
+        for v in p.spec.vertices]})
+    tuned = p.model_copy(update={"spec": spec})
+    assert trigger_interval(tuned, tuned.vertex("enrich")) == "250 milliseconds"
+    assert trigger_interval(tuned, tuned.vertex("parse")) == "5000 milliseconds"
+    assert trigger_interval(tuned, tuned.vertex("parse"), "500 milliseconds") == "500 milliseconds"
+
+
 def test_continuous_then_drain_processes_everything_once(spark, demo):
     specs, p, settings, data_dir = demo
     publish(settings, p, 3000)
@@ -159,6 +173,10 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     try:
         publish(settings, p, 2000, start=3000)  # while it runs
         assert t.is_alive(), f"runner stopped early: {result.get('error')!r}"
+        # the runner's processing_time overrides the spec's readTimeout for every query
+        intervals = {rq.query._jsq.streamingQuery().trigger().intervalMs()
+                     for run in list(runner.runs.values()) for rq in run.queries}
+        assert intervals == {500}, intervals
 
         async def drain():
             nc = await connect(settings)
