@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -50,6 +51,8 @@ from isbflow.spec.paths import DataDir, private_dir
 RUN_PREFIX = "reprocess-"
 _RUN_ID = re.compile(r"^reprocess-\d{8}T\d{6}Z(-\d+)?$")
 RECORD = "run.json"
+#: shadow runs kept per pipeline (tables and records); a new run removes the oldest beyond these
+RUNS_KEPT = 10
 #: commit metadata of a shadow table: the run, and the live table (path, version) it was made from
 SHADOW_KEY = "isb.shadow"
 
@@ -108,18 +111,30 @@ class ShadowRun:
 
 
 def new_run_id(data_dir: str | Path, pipeline: str, now: datetime | None = None) -> str:
-    """A fresh run id, its folder created (so two runs in one second get different ids)."""
+    """A fresh run id, its folder created (so two runs in one second get different ids); the
+    pipeline's shadow runs beyond the :data:`RUNS_KEPT` newest are removed."""
     base = RUN_PREFIX + (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
     dd = DataDir(data_dir)
-    dd.make(dd.shadows(pipeline))
+    folder = dd.make(dd.shadows(pipeline))
     run, n = base, 1
     while True:
         try:
             os.mkdir(dd.shadow(pipeline, run), 0o700)
-            return run
+            break
         except FileExistsError:
             n += 1
             run = f"{base}-{n}"
+    # by run id (its UTC time), never the new one: a long-running review keeps its place by age
+    older = sorted((p for p in folder.iterdir() if _RUN_ID.match(p.name) and p.name != run),
+                   key=lambda p: _run_order(p.name), reverse=True)
+    for p in older[RUNS_KEPT - 1:]:
+        shutil.rmtree(p, ignore_errors=True)
+    return run
+
+
+def _run_order(run: str) -> tuple[str, int]:
+    stamp, _, n = run[len(RUN_PREFIX):].partition("-")
+    return stamp, int(n or 1)
 
 
 def run_dir(data_dir: str | Path, pipeline: str, run: str) -> Path:

@@ -43,3 +43,21 @@ def test_composite_keys_with_nulls_a_column_one_side_lacks_and_empty_tables():
     assert (empty["added"], empty["removed"], empty["changed"], empty["unchanged"]) == (0, 0, 0, 0)
     assert diff_rows(old.slice(0, 0), new, ["w", "s"])["added"] == 2
     assert diff_rows(old, new.slice(0, 0), ["w", "s"])["removed"] == 3
+
+
+def test_a_new_shadow_run_keeps_only_the_newest_runs(tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from isbflow.recovery.shadow import RUNS_KEPT, new_run_id, run_dir
+
+    t0 = datetime(2026, 11, 25, 10, 0, tzinfo=UTC)
+    runs = [new_run_id(tmp_path, "logs", t0 + timedelta(seconds=i)) for i in range(RUNS_KEPT + 2)]
+    runs += [new_run_id(tmp_path, "logs", t0 + timedelta(seconds=RUNS_KEPT + 1)) for _ in range(9)]  # -2 .. -10
+    assert runs[-1] == "reprocess-20261125T100011Z-10"
+    left = sorted(p.name for p in run_dir(tmp_path, "logs", runs[0]).parent.iterdir())
+    # the ten newest are the ten of the last second, -10 after -9 (not by text)
+    assert left == sorted(runs[-10:]) and len(left) == RUNS_KEPT
+    new_run_id(tmp_path, "logs", t0 + timedelta(seconds=RUNS_KEPT + 1))  # -11: the bare stamp is the oldest now
+    left = {p.name for p in run_dir(tmp_path, "logs", runs[0]).parent.iterdir()}
+    assert "reprocess-20261125T100011Z" not in left and "reprocess-20261125T100011Z-11" in left
+    assert new_run_id(tmp_path, "other", t0) == "reprocess-20261125T100000Z"  # per pipeline
