@@ -541,8 +541,9 @@ class PipelineRunner:
             log.info("step %s drained at %s", run.vertex, status.final_offsets)
 
     def stop_all(self) -> None:
-        for run in self.runs.values():
-            for rq in run.queries:
+        # a copy: another thread (a signal's, a test's) may stop the runner while it still starts steps
+        for run in list(self.runs.values()):
+            for rq in list(run.queries):
                 try:
                     if rq.query.isActive:
                         rq.query.stop()

@@ -173,10 +173,6 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     try:
         publish(settings, p, 2000, start=3000)  # while it runs
         assert t.is_alive(), f"runner stopped early: {result.get('error')!r}"
-        # the runner's processing_time overrides the spec's readTimeout for every query
-        intervals = {rq.query._jsq.streamingQuery().trigger().intervalMs()
-                     for run in list(runner.runs.values()) for rq in run.queries}
-        assert intervals == {500}, intervals
 
         async def drain():
             nc = await connect(settings)
@@ -195,6 +191,10 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     assert set(final) == set(p.topological_order())
     assert all(s.state == Observed.DRAINED for s in final.values())
     assert final["in"].final_offsets == {"src-logs-in": 5000}
+    # the runner's processing_time overrode the spec's readTimeout for every query
+    intervals = [rq.query._jsq.streamingQuery().trigger().intervalMs() for run in runner.runs.values()
+                 for rq in run.queries]
+    assert len(intervals) == 7 and set(intervals) == {500}, intervals
     check_sinks(data_dir, settings, p, good_ids(0, 5000))
     # 50 s of event time: the watermark closes no window, yet every window is in the agg sink
     assert_has_open_windows(check_agg_is_batch_recount(spark, data_dir))
