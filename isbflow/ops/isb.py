@@ -11,7 +11,7 @@ from pathlib import Path
 
 from isbflow.isb import provision
 from isbflow.isb.connect import IsbUnreachable as Unreachable
-from isbflow.isb.connect import NatsSettings
+from isbflow.isb.connect import NatsSettings, default_data_dir
 from isbflow.isb.provision import (
     Action,
     ChangeClass,
@@ -22,10 +22,12 @@ from isbflow.isb.provision import (
     StreamStatus,
     desired_resources,
 )
+from isbflow.isb.roles import pipeline_grants
+from isbflow.isb.server import grant_pipelines, read_grants
 from isbflow.spec import Specs
 
 __all__ = ["Action", "ChangeClass", "Drift", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
-           "Unreachable", "apply", "delete", "diff", "planned_count", "status"]
+           "Unreachable", "apply", "delete", "diff", "grant", "granted", "planned_count", "status"]
 
 
 def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, recreate: bool = False,
@@ -37,8 +39,24 @@ def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, 
     change that may discard unread messages. With ``data_dir``, an embedded server recorded
     there must run with the store limits the spec sets.
     """
-    return asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
-                                       data_dir=data_dir))
+    report = asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
+                                         data_dir=data_dir))
+    grant(specs, report.pipeline, data_dir)
+    return report
+
+
+def grant(specs: Specs, pipeline: str, data_dir: Path | None = None) -> bool:
+    """Give pipeline ``pipeline`` its user (``pipeline-<name>``), its source subjects to the producer
+    and its buckets to the reader on the embedded server under ``data_dir`` (default: the usual
+    data dir), which reloads them (:func:`isbflow.isb.server.grant_pipelines`). False when no
+    embedded server with auth runs there: an external server's users are its operator's (README,
+    "Least privilege on NATS")."""
+    return grant_pipelines(data_dir or default_data_dir(), [pipeline_grants(specs.pipelines[pipeline])])
+
+
+def granted(data_dir: Path, pipeline: str) -> bool:
+    """Whether pipeline ``pipeline`` is granted its users on the embedded server under ``data_dir``."""
+    return any(g.pipeline == pipeline for g in read_grants(data_dir))
 
 
 def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,

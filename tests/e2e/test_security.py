@@ -45,8 +45,9 @@ COUNT = 1500
 
 def test_only_owner_only_files_hold_cluster_secrets(nats_cluster):
     nats_dir = nats_cluster.data_dir / "nats"
-    secrets = {(nats_dir / "password").read_text().strip(), (nats_dir / "route-password").read_text().strip()}
-    assert all(len(s) >= 24 for s in secrets)
+    secrets = {(nats_dir / f).read_text().strip()
+               for f in ("password", "route-password", "reader.password", "producer.password")}
+    assert len(secrets) == 4 and all(len(s) >= 24 for s in secrets)
     holders = set()
     for f in nats_cluster.data_dir.rglob("*"):
         if not f.is_file():
@@ -55,7 +56,9 @@ def test_only_owner_only_files_hold_cluster_secrets(nats_cluster):
         if any(s in text for s in secrets):
             holders.add(f.relative_to(nats_dir).as_posix())
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))
-    assert holders == {"password", "route-password", "n1.conf", "n2.conf", "n3.conf"}
+    # the users' passwords in their files and the included users block; the route's in the node confs
+    assert holders == {"password", "route-password", "reader.password", "producer.password", "auth.conf",
+                       "n1.conf", "n2.conf", "n3.conf"}
     assert stat.S_IMODE(nats_dir.stat().st_mode) == 0o700
     for f in [f for f in nats_dir.iterdir() if f.is_file()]:  # confs, state, ports, logs: owner-only too
         assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, (f, oct(f.stat().st_mode))
