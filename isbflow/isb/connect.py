@@ -122,8 +122,10 @@ class NatsSettings:
         ctx = s.ssl_context()
         if ctx is not None:
             kw["tls"] = ctx
-        if s.inbox_prefix:
-            kw["inbox_prefix"] = s.inbox_prefix
+        # a role user may subscribe on its own inbox only (however the settings were made)
+        prefix = s.inbox_prefix or (roles.inbox_prefix(s.user) if s.user and roles.is_role_user(s.user) else None)
+        if prefix:
+            kw["inbox_prefix"] = prefix
         return kw
 
 

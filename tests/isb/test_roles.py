@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -65,6 +66,14 @@ async def refused(coro) -> str:
     raise AssertionError("the server allowed it")
 
 
+def violations(server, user: str) -> set[str]:
+    """Subjects the server logged a publish or subscription violation for, for ``user``: proof
+    that a refusal was the server's permissions, not some other failure."""
+    log = Path(server.state.nodes[0].log).read_text()
+    return {ln.rsplit('Subject "', 1)[1].split('"', 1)[0] for ln in log.splitlines()
+            if f'user:{user}"' in ln and "Violation" in ln}
+
+
 def as_role(server, role):
     return resolve_settings(data_dir=server.data_dir, role=role)
 
@@ -107,6 +116,8 @@ def test_producer_publishes_to_its_source_subject_only(granted):
             await nc.close()
 
     run(go())
+    assert {f"$JS.API.DIRECT.GET.{buffer.stream}", f"$JS.API.STREAM.MSG.GET.{src}", buffer.subject,
+            f"$KV.{naming.control_bucket('logs')}.parse"} <= violations(server, roles.PRODUCER)
     # nothing reached the buffer or the control key
     async def check():
         nc = await connect(server.settings)
@@ -148,6 +159,7 @@ def test_reader_reads_status_and_publishes_nothing(granted):
             await nc.close()
 
     run(go())
+    assert {"logs.events", f"$KV.{naming.control_bucket('logs')}.parse"} <= violations(server, roles.READER)
 
 
 def test_a_pipelines_user_reaches_its_own_pipeline_only(granted):
@@ -171,6 +183,7 @@ def test_a_pipelines_user_reaches_its_own_pipeline_only(granted):
             await refused(nc.request(f"$JS.API.CONSUMER.CREATE.{theirs.stream}", b"{}", timeout=2))
             await refused(nc.request(f"$JS.API.STREAM.PURGE.{theirs.stream}", b"{}", timeout=2))
             await refused(st.set_desired(nc, "other", "parse", st.Desired.STOPPED))
+            await refused(js.publish(f"$KV.{naming.control_bucket('other')}.parse", b"stopped", timeout=2))
             await refused(st.get_desired(nc, "other", "parse"))
             # nor may it create or delete streams (provisioning is the admin's)
             await refused(nc.request(f"$JS.API.STREAM.DELETE.{mine.stream}", b"", timeout=2))
@@ -188,3 +201,6 @@ def test_a_pipelines_user_reaches_its_own_pipeline_only(granted):
             await nc.close()
 
     run(go())
+    seen = violations(server, roles.pipeline_user("logs"))
+    assert {theirs.subject, f"$JS.API.DIRECT.GET.{theirs.stream}", f"$JS.API.STREAM.PURGE.{theirs.stream}",
+            f"$KV.{naming.control_bucket('other')}.parse", "_INBOX_pipeline-other.>"} <= seen, seen
