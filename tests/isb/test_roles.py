@@ -19,10 +19,18 @@ import yaml
 
 from isbflow.isb import naming, roles
 from isbflow.isb import state as st
-from isbflow.isb.connect import IsbUnreachable, connect, resolve_settings, session
+from isbflow.isb.connect import (
+    IsbUnreachable,
+    connect,
+    resolve_settings,
+    session,
+    settings_from_url,
+)
 from isbflow.isb.read import stream_state
 from isbflow.isb.server import grant_pipelines, read_state, role_password_file
+from isbflow.ops.isb import role_settings
 from isbflow.spec import load_specs
+from isbflow.steps.launch import driver_env
 from tests.conftest import ROOT
 from tests.helpers.provision import SMALL, apply
 
@@ -89,6 +97,13 @@ def test_role_passwords_are_owner_only_files_and_never_in_urls(granted):
     assert "password" not in read_state(server.data_dir).to_json(with_secrets=False)["urls"][0]
     with pytest.raises(IsbUnreachable, match="no user 'pipeline-nope'"):
         as_role(server, roles.pipeline_user("nope"))
+    # what a launched driver gets (ops.pipeline.start / batch): the pipeline's user on this server ...
+    driver = role_settings(server.settings, server.data_dir, roles.pipeline_user("logs"))
+    assert driver.user == "pipeline-logs" and driver.password == as_role(server, "pipeline-logs").password
+    assert driver_env(driver, server.data_dir)["NATS_USER"] == "pipeline-logs"
+    # ... and settings for another server (an external one) unchanged: its operator's users
+    elsewhere = settings_from_url("nats://someone:pw@127.0.0.1:1")
+    assert role_settings(elsewhere, server.data_dir, roles.pipeline_user("logs")) == elsewhere
 
 
 def test_producer_publishes_to_its_source_subject_only(granted):
