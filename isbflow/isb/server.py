@@ -447,6 +447,13 @@ def _pw_path(ndir: Path, user: str) -> Path:
     return ndir / ("password" if user == roles.ADMIN else f"{user}.password")
 
 
+def _includes_users(node: NodeState) -> bool:
+    try:
+        return f'include "{AUTH_FILE}"' in Path(node.config).read_text()
+    except OSError:
+        return False
+
+
 def _config_load_time(http_port: int) -> str | None:
     try:
         with urllib.request.urlopen(f"http://{HOST}:{http_port}/varz", timeout=1) as r:
@@ -464,8 +471,8 @@ def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], tim
     recorded there (nothing to do: an external server is configured by its operator)."""
     data_dir = Path(data_dir).absolute()
     state = read_state(data_dir)
-    if state is None or not state.user:
-        return False
+    if state is None or not state.user or not all(_includes_users(n) for n in state.nodes):
+        return False  # no auth, or a server started before roles existed (restart it to get them)
     ndir = nats_dir(data_dir)
     merged = {g.pipeline: g for g in read_grants(data_dir)}
     before = dict(merged)

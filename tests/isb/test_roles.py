@@ -219,3 +219,14 @@ def test_a_pipelines_user_reaches_its_own_pipeline_only(granted):
     seen = violations(server, roles.pipeline_user("logs"))
     assert {theirs.subject, f"$JS.API.DIRECT.GET.{theirs.stream}", f"$JS.API.STREAM.PURGE.{theirs.stream}",
             f"$KV.{naming.control_bucket('other')}.parse", "_INBOX_pipeline-other.>"} <= seen, seen
+
+
+def test_a_server_started_before_roles_is_granted_nothing(nats_server, tmp_path):
+    """A running server whose config does not include the users file (started by an older isbflow)
+    cannot take role users by a reload: nothing is granted, so drivers keep the admin's settings."""
+    specs = two_pipelines(tmp_path)
+    conf = Path(nats_server.state.nodes[0].config)
+    conf.write_text(conf.read_text().replace('include "auth.conf"', ""))
+    assert not grant_pipelines(nats_server.data_dir, [roles.pipeline_grants(specs.pipelines["logs"])])
+    assert not role_password_file(nats_server.data_dir, "pipeline-logs").exists()
+    assert role_settings(nats_server.settings, nats_server.data_dir, "pipeline-logs") == nats_server.settings
