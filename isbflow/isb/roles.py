@@ -147,10 +147,9 @@ def producer_permissions(grants: Iterable[PipelineGrant]) -> Permissions:
 
 def pipeline_permissions(g: PipelineGrant) -> Permissions:
     pub = [f"isb.{g.pipeline}.>", f"{JS}.INFO"]
-    for s in (*g.buffers, g.dlq):
+    for s in (*g.buffers, *g.sources):  # read, and purged up to what the step committed (isb.release)
         pub += [*_read_stream(s), f"{JS}.STREAM.PURGE.{s}"]
-    for s in g.sources:
-        pub += [*_read_stream(s), f"{JS}.STREAM.PURGE.{s}"]
+    pub += _read_stream(g.dlq)  # dead letters are published to isb.<p>.dlq.<step>, never purged by a driver
     for b in g.buckets:
         pub += [*_read_stream(f"KV_{b}"), f"$KV.{b}.>"]
     for b in g.references:
