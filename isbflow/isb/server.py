@@ -21,6 +21,7 @@ listener requires TLS and the recorded URLs are ``tls://``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -474,13 +475,16 @@ def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], tim
     if state is None or not state.user or not all(_includes_users(n) for n in state.nodes):
         return False  # no auth, or a server started before roles existed (restart it to get them)
     ndir = nats_dir(data_dir)
-    merged = {g.pipeline: g for g in read_grants(data_dir)}
-    before = dict(merged)
-    merged.update({g.pipeline: g for g in grants})
-    if merged == before and (ndir / AUTH_FILE).exists():
-        return True
-    _write_private(ndir / GRANTS_FILE, json.dumps([g.to_json() for g in merged.values()], indent=2))
-    _write_auth(ndir, list(merged.values()))
+    with os.fdopen(os.open(ndir / "grants.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
+        # two granting processes must not lose a grant
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = {g.pipeline: g for g in read_grants(data_dir)}
+        before = dict(merged)
+        merged.update({g.pipeline: g for g in grants})
+        if merged == before and (ndir / AUTH_FILE).exists():
+            return True
+        _write_private(ndir / GRANTS_FILE, json.dumps([g.to_json() for g in merged.values()], indent=2))
+        _write_auth(ndir, list(merged.values()))
     live = [n for n in state.nodes if _node_alive(n)]
     loaded = {n.name: _config_load_time(n.http_port) for n in live}
     for n in live:
