@@ -75,7 +75,9 @@ def data_dir_or_default(data_dir: Path | None) -> Path:
 
 
 def settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs | None = None,
-                     pipeline: str | None = None) -> NatsSettings:
+                     pipeline: str | None = None, role: str | None = None) -> NatsSettings:
+    """The settings of the ISB service (``role``: the embedded server's user to log in as,
+    :mod:`isbflow.isb.roles`; default the admin), or exit 1 saying why there are none."""
     service = None
     if specs is not None:
         if specs.pipelines:
@@ -84,9 +86,20 @@ def settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs |
         elif specs.services:
             service = next(iter(specs.services.values()))
     try:
-        return resolve_settings(nats_url, data_dir_or_default(data_dir), service)
+        return resolve_settings(nats_url, data_dir_or_default(data_dir), service, role=role)
     except IsbUnreachable as e:
         fail(str(e))
+
+
+def reader_settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs, pipeline: str) -> NatsSettings:
+    """Settings for a command that only reads ``pipeline``'s state: the embedded server's read-only
+    ``reader`` user once the pipeline is granted (provisioned by isbflow), else the admin's (a
+    pipeline provisioned by other means has no grants to read with)."""
+    from isbflow.ops.connection import READER
+    from isbflow.ops.isb import granted
+
+    dd = data_dir_or_default(data_dir)
+    return settings_or_exit(nats_url, data_dir, specs, pipeline, role=READER if granted(dd, pipeline) else None)
 
 
 def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

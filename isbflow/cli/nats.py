@@ -45,6 +45,9 @@ def _print_connection(state: ServerState) -> None:
     if state.user:
         console.print(f"user {state.user}, password in {state.password_file} (not printed; isbflow commands "
                       "read it through --data-dir)", markup=False, highlight=False)
+        console.print(f"role users reader, producer, pipeline-<name>: passwords in "
+                      f"{Path(state.password_file or '').parent}/<user>.password (README, 'Least privilege on NATS')",
+                      markup=False, highlight=False)
 
 
 def _state_or_exit(data_dir: Path) -> ServerState | None:

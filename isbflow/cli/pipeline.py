@@ -21,6 +21,7 @@ from isbflow.cli.common import (
     fail,
     pipeline_or_exit,
     print_json,
+    reader_settings_or_exit,
     settings_or_exit,
 )
 from isbflow.ops import pipeline as ops
@@ -147,7 +148,7 @@ def status(
     --json holds every heartbeat field (unrouted_total, dlq_total, ...).
     """
     specs, p = pipeline_or_exit(file, pipeline)
-    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    settings = reader_settings_or_exit(nats_url, data_dir, specs, p.name)
     st = call(ops.status, settings, p)
     statuses, desired, recovery = st.statuses, st.desired, st.recovery
     if json_out:

@@ -20,6 +20,7 @@ from isbflow.cli.common import (
     PipelineName,
     SpecFile,
     console,
+    data_dir_or_default,
     err_console,
     fail,
     load_or_exit,
@@ -69,6 +70,8 @@ def produce(
       isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
     from isbflow.ops import produce as P
+    from isbflow.ops.connection import PRODUCER
+    from isbflow.ops.isb import granted
     from isbflow.spec import SpecError
 
     specs = load_or_exit(file)
@@ -77,7 +80,12 @@ def produce(
         P.source_vertex(p, vertex)
     except (SpecError, ValueError) as e:
         fail(str(e), 2)
-    settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    # the producer's user: it may publish to granted source subjects and nothing else
+    settings = settings_or_exit(nats_url, data_dir, specs, p.name, role=PRODUCER)
+    if settings.user == PRODUCER and not granted(data_dir_or_default(data_dir), p.name):
+        fail(f"pipeline {p.name} is not provisioned on the embedded ISB service under "
+             f"{data_dir_or_default(data_dir)}/ (its producer may publish nowhere yet): "
+             "create it with 'isbflow isb apply -f <spec>'")
     shift_ms = 0
     if event_time_from is not None:
         from datetime import UTC, datetime

@@ -252,7 +252,7 @@ class TaskPublisher:
         self.report.count(buf.partition, "dead_lettered", len(letters))
 
     async def _publish(self, buf: _Buffer, frame: Frame) -> None:
-        msg_id = frame_id(self.opts.step, self.batch_id, self.task, buf.partition, buf.chunk)
+        msg_id = frame_id(self.opts.step, self.batch_id, self.task, buf.partition, buf.chunk, frame.payload)
         buf.chunk += 1
         headers = {"Nats-Msg-Id": msg_id, HDR_FRAME: FRAME_FORMAT, HDR_ROWS: str(frame.rows)}
         if self.capacity is not None and not await self._admit(buf):

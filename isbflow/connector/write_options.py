@@ -19,6 +19,7 @@ from isbflow.connector.options import DEFAULT_FRAME_ROWS, int_option
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
+from isbflow.isb.frames import payload_digest
 from isbflow.spec.models import DEFAULT_LIMITS, OnFull
 from isbflow.spec.paths import private_dir
 
@@ -172,9 +173,17 @@ def spark_task_identity() -> tuple[int, int]:
     return int(raw), tc.partitionId()
 
 
-def frame_id(step: str, batch_id: int, task: int, partition: int | str, chunk: int) -> str:
-    """The ``Nats-Msg-Id`` of a frame: equal for equal inputs, so a re-executed batch deduplicates."""
-    return f"{step}:{batch_id}:{task}:{partition}:{chunk}"
+def frame_id(step: str, batch_id: int, task: int, partition: int | str, chunk: int,
+             payload: bytes | memoryview | None = None) -> str:
+    """The ``Nats-Msg-Id`` of a frame, ``<step>:<batch>:<task>:<partition>:<chunk>:<digest>``: equal
+    for equal inputs, so a re-executed batch that makes the same frames deduplicates. The digest
+    (:func:`isbflow.isb.frames.payload_digest` of ``payload``) means only a message with the
+    frame's own bytes counts as its duplicate: a message published earlier under the same position
+    with other bytes (forged, or a re-run whose transform gave other rows) does not suppress it.
+    Without ``payload`` (dead letters, whose digest :func:`isbflow.isb.dlq.encode_dead_letter`
+    adds) the id is the position alone."""
+    position = f"{step}:{batch_id}:{task}:{partition}:{chunk}"
+    return position if payload is None else f"{position}:{payload_digest(payload)}"
 
 
 # ------------------------------------------------------------------ reports

@@ -24,11 +24,18 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   :func:`isbflow.isb.frames.split_frames` (``frameRows`` rows, at most
   ``maxPayload`` bytes), in input order. Each frame is published with an
   acked JetStream publish, pipelined (``publishWindow`` frames in flight), and
-  the deterministic ``Nats-Msg-Id`` ``<step>:<batchId>:<taskPartitionId>:<edgePartition>:<chunk>``.
+  the deterministic ``Nats-Msg-Id`` ``<step>:<batchId>:<taskPartitionId>:<edgePartition>:<chunk>:<digest>``
+  (:func:`isbflow.connector.write_options.frame_id`; the digest is of the frame's bytes).
   The batch id is the Spark local property ``streaming.sql.batchId``. A
   re-executed batch (task retry, restart from the checkpoint) sees the same
-  rows in the same order, so it republishes the same ids and JetStream's
-  duplicates window drops them; the PubAck's ``duplicate`` flag is counted.
+  rows in the same order, so it republishes the same frames, byte for byte, under
+  the same ids and JetStream's duplicates window drops them; the PubAck's
+  ``duplicate`` flag is counted. A re-execution whose rows differ (a transform
+  that is not deterministic: ``current_timestamp()``, ``rand()``, an order that
+  depends on a shuffle) makes other frames: they land beside the first
+  attempt's (at least once: duplicates for the sink's ``_isb_id`` merge to
+  drop, never a lost frame). A message published earlier under a frame's
+  position with other bytes (a forgery) does not suppress the real frame.
   Order within a partition is kept (see *Full buffer* for the one exception).
 - **Oversized records.** A row that alone exceeds ``maxPayload`` goes to the
   dead-letter buffer (:mod:`isbflow.isb.dlq`) with the reason

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from isbflow.isb import roles
 from isbflow.isb.errors import ConnectorOptionError
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class NatsSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_insecure: bool = False
+    #: where replies come back (``_INBOX_<user>`` for a role user, :func:`isbflow.isb.roles.inbox_prefix`)
+    inbox_prefix: str | None = None
 
     @property
     def display(self) -> str:
@@ -72,7 +75,7 @@ class NatsSettings:
                 ("servers", tuple(redact_url(u) for u in self.servers)), ("user", self.user),
                 ("password", "***" if self.password else None), ("token", "***" if self.token else None),
                 ("creds_file", self.creds_file), ("tls_ca", self.tls_ca), ("tls_cert", self.tls_cert),
-                ("tls_key", self.tls_key), ("tls_insecure", self.tls_insecure),
+                ("tls_key", self.tls_key), ("tls_insecure", self.tls_insecure), ("inbox_prefix", self.inbox_prefix),
             ) if v
         )
         return f"NatsSettings({shown})"
@@ -119,6 +122,10 @@ class NatsSettings:
         ctx = s.ssl_context()
         if ctx is not None:
             kw["tls"] = ctx
+        # a role user may subscribe on its own inbox only (however the settings were made)
+        prefix = s.inbox_prefix or (roles.inbox_prefix(s.user) if s.user and roles.is_role_user(s.user) else None)
+        if prefix:
+            kw["inbox_prefix"] = prefix
         return kw
 
 
@@ -148,8 +155,14 @@ def resolve_settings(
     nats_url: str | None = None,
     data_dir: Path | str | None = None,
     service: InterStepBufferService | None = None,
+    role: str | None = None,
 ) -> NatsSettings:
-    """Where to find the ISB service (see module docstring for the order)."""
+    """Where to find the ISB service (see module docstring for the order).
+
+    ``role`` (a user of :mod:`isbflow.isb.roles`: ``reader``, ``producer``, ``pipeline-<name>``;
+    default the admin) picks the embedded server's user and its password file; an explicit URL,
+    the environment or the spec's auth files win over it. A client logged in as a role user
+    takes its inbox prefix (``_INBOX_<user>``), the only subjects it may subscribe on."""
     url = nats_url or os.environ.get("NATS_URL")
     jet = service.spec.jetstream if service is not None else None
     if not url and jet is not None and jet.url != "embedded":
@@ -158,7 +171,7 @@ def resolve_settings(
         settings = settings_from_url(url)
     else:
         # local import: the server module pulls in subprocess bits
-        from isbflow.isb.server import EmbeddedNatsError, read_state
+        from isbflow.isb.server import EmbeddedNatsError, read_state, role_password_file
 
         try:
             state = read_state(Path(data_dir) if data_dir else default_data_dir())
@@ -170,7 +183,15 @@ def resolve_settings(
                 f"no ISB service: nothing running under {where}/ (start one with "
                 "'isbflow nats up') and no --nats-url or NATS_URL given"
             )
-        settings = settings_from_url(",".join(state.urls))
+        if role is None or role == roles.ADMIN or not state.user:
+            settings = settings_from_url(",".join(state.urls))
+        else:
+            pw = role_password_file(state.data_dir, role)
+            if not pw.exists():
+                raise IsbUnreachable(
+                    f"the embedded ISB service under {state.data_dir} has no user {role!r} (no {pw}): "
+                    "a pipeline's user is made when it is provisioned ('isbflow isb apply')")
+            settings = replace(settings_from_url(",".join(state.plain_urls)), user=role, password=_read_secret(str(pw)))
         if state.ca_file:
             settings = replace(settings, tls_ca=state.ca_file)
     env = os.environ
@@ -202,6 +223,9 @@ def resolve_settings(
                 tls_key=jet.tls.keyFile,
                 tls_insecure=jet.tls.insecureSkipVerify,
             )
+    user = settings.with_auth_from_urls().user
+    if user and roles.is_role_user(user) and not settings.inbox_prefix:
+        settings = replace(settings, inbox_prefix=roles.inbox_prefix(user))
     return settings
 
 

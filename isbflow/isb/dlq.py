@@ -46,7 +46,7 @@ from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFo
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, run_with, session
 from isbflow.isb.errors import BufferReadError
-from isbflow.isb.frames import HEADER_ROOM
+from isbflow.isb.frames import HEADER_ROOM, payload_digest
 
 if TYPE_CHECKING:
     import nats.js
@@ -81,7 +81,8 @@ class DeadLetter:
     reason: str
     #: bytes the record took where it failed (e.g. its Arrow encoding); its JSON size when None
     size: int | None = None
-    #: deterministic ``Nats-Msg-Id`` so a retried task's letter is dropped as a duplicate
+    #: deterministic ``Nats-Msg-Id`` so a retried task's letter is dropped as a duplicate (the
+    #: body's digest is appended: only the same letter counts as a duplicate)
     msg_id: str | None = None
 
 
@@ -131,8 +132,8 @@ def encode_dead_letter(letter: DeadLetter, step: str, max_payload: int) -> tuple
                 break
             cut = max(0, cut - max(1, (len(body) - budget)))
     headers = {HDR_REASON: _header_text(letter.reason), HDR_STEP: step, HDR_ORIGIN: _header_text(origin)}
-    if letter.msg_id:
-        headers["Nats-Msg-Id"] = letter.msg_id
+    if letter.msg_id:  # the body's digest too: a letter forged under the id cannot suppress the real one
+        headers["Nats-Msg-Id"] = f"{letter.msg_id}:{payload_digest(body)}"
     return headers, body
 
 

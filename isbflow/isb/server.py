@@ -21,6 +21,7 @@ listener requires TLS and the recorded URLs are ``tls://``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -35,12 +36,17 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from isbflow.isb import roles
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
 from isbflow.spec.paths import DataDir, private_dir
 
 HOST = "127.0.0.1"
 STATE_FILE = "state.json"
+#: the ``authorization`` block the node configs include (users and their permissions)
+AUTH_FILE = "auth.conf"
+#: the pipelines granted a user so far (:func:`grant_pipelines`)
+GRANTS_FILE = "grants.json"
 #: a node's log is rotated at this size (nats-server's ``logfile_size_limit``) ...
 LOG_SIZE_LIMIT = "10MB"
 #: ... and this many files are kept, the current one included (``logfile_max_num``)
@@ -82,6 +88,11 @@ class ServerState:
     def urls(self) -> list[str]:
         """Client URLs, credentials included when auth is on (usable by any NATS client)."""
         return self._urls(with_secrets=True)
+
+    @property
+    def plain_urls(self) -> list[str]:
+        """Client URLs without credentials."""
+        return self._urls(with_secrets=False)
 
     @property
     def url(self) -> str:
@@ -146,7 +157,7 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[int], store: Path,
-          user: str | None, password: str | None, route_password: str | None, max_payload: int,
+          user: str | None, route_password: str | None, max_payload: int,
           max_mem: int, max_file: int, tls: dict | None, log: Path | None = None) -> str:
     lines = [
         f"server_name: {node}",
@@ -158,8 +169,8 @@ def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[i
         "max_pending: 256MB",
         f'jetstream {{ store_dir: "{store}", max_memory_store: {max_mem}, max_file_store: {max_file} }}',
     ]
-    if user:
-        lines.append(f'authorization {{ user: "{user}", password: "{password}", timeout: 5 }}')
+    if user:  # the users, rewritten by grant_pipelines and reloaded without a restart
+        lines.append(f'include "{AUTH_FILE}"')
     if tls:
         lines.append(
             f'tls {{ cert_file: "{tls["cert"]}", key_file: "{tls["key"]}", ca_file: "{tls["ca"]}", timeout: 5 }}'
@@ -310,11 +321,11 @@ def start_embedded(
         tls = {k: str(Path(tls[k]).absolute()) for k in ("cert", "key", "ca")}
     DataDir(data_dir).make(ndir)
     os.chmod(ndir, 0o700)
-    user = password = route_password = password_file = None
+    user = route_password = password_file = None
     if auth:
-        user = "isbflow"
-        password = _secret(ndir / "password")
-        password_file = str(ndir / "password")
+        user = roles.ADMIN
+        password_file = str(role_password_file(data_dir, user))
+        _write_auth(ndir, read_grants(data_dir))
         route_password = _secret(ndir / "route-password") if cluster > 1 else None
     binary = nats_server_binary()
     ports = _ports(ndir, cluster, client_port)
@@ -327,7 +338,7 @@ def start_embedded(
         routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
         conf = ndir / f"{name}.conf"
         log = ndir / f"{name}.log"
-        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, password, route_password,
+        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, route_password,
                                    max_payload, max_memory_store, max_file_store, tls, log))
         fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "ab") as logf:
@@ -405,3 +416,82 @@ def stop_embedded(data_dir: Path | str) -> ServerState | None:
     _kill_nodes(state.nodes)
     (nats_dir(Path(data_dir)) / STATE_FILE).unlink(missing_ok=True)
     return state
+
+
+# ------------------------------------------------------------------ users per role (isbflow.isb.roles)
+
+
+def role_password_file(data_dir: Path | str, user: str) -> Path:
+    """Where role ``user``'s password is kept (owner-only): ``password`` for the admin (as before
+    roles existed), ``<user>.password`` for the others."""
+    return _pw_path(nats_dir(Path(data_dir).absolute()), user)
+
+
+def read_grants(data_dir: Path | str) -> list[roles.PipelineGrant]:
+    """The pipelines granted a user on the embedded server under ``data_dir``."""
+    path = nats_dir(Path(data_dir).absolute()) / GRANTS_FILE
+    try:
+        return [roles.PipelineGrant.from_json(g) for g in json.loads(path.read_text())]
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError) as e:
+        raise EmbeddedNatsError(f"{path} is not a grants file isbflow wrote ({e}): remove it and grant the "
+                                "pipelines again ('isbflow isb apply')") from None
+
+
+def _write_auth(ndir: Path, grants: list[roles.PipelineGrant]) -> None:
+    passwords = {u: _secret(_pw_path(ndir, u)) for u in roles.role_permissions(grants)}
+    _write_private(ndir / AUTH_FILE, roles.authorization_block(passwords, grants) + "\n")
+
+
+def _pw_path(ndir: Path, user: str) -> Path:
+    return ndir / ("password" if user == roles.ADMIN else f"{user}.password")
+
+
+def _includes_users(node: NodeState) -> bool:
+    try:
+        return f'include "{AUTH_FILE}"' in Path(node.config).read_text()
+    except OSError:
+        return False
+
+
+def _config_load_time(http_port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{http_port}/varz", timeout=1) as r:
+            return json.load(r).get("config_load_time")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], timeout: float = 10.0) -> bool:
+    """Give each pipeline of ``grants`` its user (``pipeline-<name>``, password in
+    ``<data dir>/nats/pipeline-<name>.password``) and its source subjects to the producer and its
+    buckets to the reader, on the embedded server under ``data_dir``: the users file is rewritten
+    and every running node reloads it (SIGHUP; no restart, no client dropped). A pipeline granted
+    again gets the grants of its current spec. Returns False when no embedded server with auth is
+    recorded there (nothing to do: an external server is configured by its operator)."""
+    data_dir = Path(data_dir).absolute()
+    state = read_state(data_dir)
+    if state is None or not state.user or not all(_includes_users(n) for n in state.nodes):
+        return False  # no auth, or a server started before roles existed (restart it to get them)
+    ndir = nats_dir(data_dir)
+    with os.fdopen(os.open(ndir / "grants.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
+        # two granting processes must not lose a grant
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = {g.pipeline: g for g in read_grants(data_dir)}
+        before = dict(merged)
+        merged.update({g.pipeline: g for g in grants})
+        if merged == before and (ndir / AUTH_FILE).exists():
+            return True
+        _write_private(ndir / GRANTS_FILE, json.dumps([g.to_json() for g in merged.values()], indent=2))
+        _write_auth(ndir, list(merged.values()))
+    live = [n for n in state.nodes if _node_alive(n)]
+    loaded = {n.name: _config_load_time(n.http_port) for n in live}
+    for n in live:
+        os.kill(n.pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while any(_config_load_time(n.http_port) == loaded[n.name] for n in live):
+        if time.monotonic() > deadline:
+            raise EmbeddedNatsError(f"nats-server did not reload its users within {timeout:.0f}s (logs under {ndir})")
+        time.sleep(0.05)
+    return True

@@ -15,5 +15,7 @@ from isbflow.isb.connect import (
     run_with,
     session,
 )
+from isbflow.isb.roles import PRODUCER, READER, pipeline_user
 
-__all__ = ["IsbUnreachable", "NatsSettings", "connect", "default_data_dir", "resolve_settings", "run_with", "session"]
+__all__ = ["PRODUCER", "READER", "IsbUnreachable", "NatsSettings", "connect", "default_data_dir", "pipeline_user",
+           "resolve_settings", "run_with", "session"]

@@ -7,11 +7,12 @@ Synchronous wrappers of :mod:`isbflow.isb.provision` (see it for the contract).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from isbflow.isb import provision
 from isbflow.isb.connect import IsbUnreachable as Unreachable
-from isbflow.isb.connect import NatsSettings
+from isbflow.isb.connect import NatsSettings, default_data_dir
 from isbflow.isb.provision import (
     Action,
     ChangeClass,
@@ -22,10 +23,13 @@ from isbflow.isb.provision import (
     StreamStatus,
     desired_resources,
 )
+from isbflow.isb.roles import pipeline_grants
+from isbflow.isb.server import grant_pipelines, read_grants, read_state, role_password_file
 from isbflow.spec import Specs
+from isbflow.spec.models import Pipeline
 
 __all__ = ["Action", "ChangeClass", "Drift", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
-           "Unreachable", "apply", "delete", "diff", "planned_count", "status"]
+           "Unreachable", "apply", "delete", "diff", "grant", "granted", "role_settings", "planned_count", "status"]
 
 
 def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, recreate: bool = False,
@@ -37,8 +41,37 @@ def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, 
     change that may discard unread messages. With ``data_dir``, an embedded server recorded
     there must run with the store limits the spec sets.
     """
-    return asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
-                                       data_dir=data_dir))
+    report = asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
+                                         data_dir=data_dir))
+    grant(specs.pipelines[report.pipeline], data_dir)
+    return report
+
+
+def grant(pipeline: Pipeline, data_dir: Path | None = None) -> bool:
+    """Give ``pipeline`` its user (``pipeline-<name>``), its source subjects to the producer
+    and its buckets to the reader on the embedded server under ``data_dir`` (default: the usual
+    data dir), which reloads them (:func:`isbflow.isb.server.grant_pipelines`). False when no
+    embedded server with auth runs there: an external server's users are its operator's (README,
+    "Least privilege on NATS")."""
+    return grant_pipelines(data_dir or default_data_dir(), [pipeline_grants(pipeline)])
+
+
+def granted(data_dir: Path, pipeline: str) -> bool:
+    """Whether pipeline ``pipeline`` is granted its users on the embedded server under ``data_dir``."""
+    return any(g.pipeline == pipeline for g in read_grants(data_dir))
+
+
+def role_settings(settings: NatsSettings, data_dir: Path, user: str) -> NatsSettings:
+    """``settings`` logged in as role ``user`` (:mod:`isbflow.isb.roles`) when they point at the
+    embedded server under ``data_dir`` and it has that user; else ``settings`` unchanged (an
+    external server: its operator hands out the credentials)."""
+    state = read_state(data_dir)
+    plain = settings.with_auth_from_urls()
+    pw = role_password_file(data_dir, user)
+    if state is None or not state.user or plain.servers != tuple(state.plain_urls) or not pw.exists():
+        return settings
+    return replace(plain, user=user, password=pw.read_text().strip(), token=None, creds_file=None,
+                   inbox_prefix=None)
 
 
 def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,

@@ -13,9 +13,11 @@ from isbflow.isb.server import (
     free_port,
     port_free,
     read_state,
+    role_password_file,
     start_embedded,
     stop_embedded,
 )
 
-__all__ = ["EmbeddedNatsError", "ServerState", "check_cluster_size", "free_port", "port_free", "read_state", "start_embedded",
+__all__ = ["EmbeddedNatsError", "ServerState", "check_cluster_size", "free_port", "port_free", "read_state", "role_password_file",
+           "start_embedded",
            "stop_embedded"]

@@ -41,7 +41,9 @@ from isbflow.isb import naming, reference
 from isbflow.isb import provision as prov
 from isbflow.isb.connect import IsbUnreachable, NatsSettings, session
 from isbflow.isb.read import StreamState, stream_state
+from isbflow.isb.roles import pipeline_user
 from isbflow.isb.state import Desired, StepStatus, all_status, get_desired
+from isbflow.ops.isb import grant, role_settings
 from isbflow.ops.produce import source_vertex
 from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec import Specs
@@ -147,12 +149,16 @@ def put_references(settings: NatsSettings, p: Pipeline, folder: Path | None,
 
 def prepare(settings: NatsSettings, specs: Specs, p: Pipeline, references_dir: Path | None, *,
             provision: bool = True, progress: Progress = _quiet,
-            on_missing_reference: Callable[[str, Path | None], None] | None = None) -> Prepared:
-    """Provision the buffers (when asked) and put the reference tables found in ``references_dir``."""
+            on_missing_reference: Callable[[str, Path | None], None] | None = None,
+            data_dir: Path | None = None) -> Prepared:
+    """Provision the buffers (when asked) and put the reference tables found in ``references_dir``;
+    the pipeline's user on the embedded server under ``data_dir`` is granted
+    (:func:`isbflow.ops.isb.grant`) whether provisioned here or not."""
     report = None
     if provision:
         progress(f"provisioning the buffers of pipeline {p.name}")
         report = provision_buffers(settings, specs, p)
+    grant(p, data_dir)
     progress(f"loading the reference tables of pipeline {p.name}")
     return Prepared(report, put_references(settings, p, references_dir, on_missing_reference))
 
@@ -180,10 +186,12 @@ def start(spec_file: Path, specs: Specs, p: Pipeline, settings: NatsSettings, da
     :func:`~isbflow.steps.launch.launch_pipeline` (``heartbeat_timeout``, ``startup_grace``).
     """
     prepared = prepare(settings, specs, p, references_dir, provision=provision, progress=progress,
-                       on_missing_reference=on_missing_reference)
+                       on_missing_reference=on_missing_reference, data_dir=data_dir)
     resume(settings, p)
     progress(f"launching the steps of pipeline {p.name}")
-    record = launch_pipeline(spec_file, data_dir, settings, master=master, pipeline=p.name, steps=steps,
+    # the driver runs user transforms: it logs in as the pipeline's own user, not the admin
+    driver_settings = role_settings(settings, data_dir, pipeline_user(p.name))
+    record = launch_pipeline(spec_file, data_dir, driver_settings, master=master, pipeline=p.name, steps=steps,
                              workdir=workdir, extra_env=env, **launch_args)
     return Started(prepared, record)
 
@@ -243,8 +251,9 @@ def batch(spec_file: Path, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     if live is not None and live.alive() is not False:
         raise PipelineError(f"pipeline {p.name!r} runs continuously (launch {live.launch_id}, pid {live.pid}): "
                             "a batch run would share its checkpoints; drain it first")
-    return run_foreground(spec_file, data_dir, settings, trigger="available-now", master=master, pipeline=p.name,
-                          workdir=workdir, timeout=timeout)
+    grant(p, data_dir)  # its current spec's names
+    return run_foreground(spec_file, data_dir, role_settings(settings, data_dir, pipeline_user(p.name)),
+                          trigger="available-now", master=master, pipeline=p.name, workdir=workdir, timeout=timeout)
 
 
 def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, *, master: str = "local[2]",

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isbflow.ops import nats as nats_server
+from isbflow.ops.connection import READER
 from isbflow.ops.nats import port_free
 from isbflow.ops.processes import process_alive as pid_alive
 from isbflow.ops.processes import process_start
@@ -248,6 +249,7 @@ def _start(data_dir: Path, api_port: int, nats_port: int, dags_folder: Path | No
             report = run_pipeline(state, pipeline, progress)
         env = airflow_env(home, dags, api_port)
         env["AIRFLOW_CONN_NATS_DEFAULT"] = nats_connection_json(nats)
+        env["AIRFLOW_CONN_NATS_READER"] = nats_connection_json(nats, READER)  # the UI reads with it
         env["ISBFLOW_HOME"] = str(data_dir)
         env[MARKER_ENV] = state.marker
         progress("migrating the Airflow metadata database")

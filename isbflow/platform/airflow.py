@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from isbflow.ops.nats import ServerState
+from isbflow.ops.nats import ServerState, role_password_file
 from isbflow.ops.processes import process_start
 from isbflow.platform.state import (
     HOST,
@@ -66,12 +66,16 @@ def airflow_bin() -> str:
     return venv_bin("airflow")
 
 
-def nats_connection_json(state: ServerState) -> str:
-    """``AIRFLOW_CONN_NATS_DEFAULT`` for the embedded server (JSON form, credentials included)."""
+def nats_connection_json(state: ServerState, user: str | None = None) -> str:
+    """``AIRFLOW_CONN_NATS_DEFAULT`` for the embedded server (JSON form, credentials included); with
+    ``user`` (e.g. ``reader``, for ``AIRFLOW_CONN_NATS_READER``) that role's user instead of the admin."""
     node = state.nodes[0]
     conn: dict = {"conn_type": "nats", "host": ",".join(f"{HOST}:{n.client_port}" for n in state.nodes),
                   "port": node.client_port}
-    if state.user:
+    if state.user and user:
+        conn["login"] = user
+        conn["password"] = role_password_file(state.data_dir, user).read_text().strip()
+    elif state.user:
         conn["login"], conn["password"] = state.user, state.password
     if state.ca_file:
         conn["extra"] = {"tls_ca": state.ca_file}

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import nats.errors
 import pytest
 
 from isbflow.airflow.hooks.jetstream import JetStreamHook, settings_from_connection
 from isbflow.isb import provision
+from isbflow.isb.connect import connect
 from isbflow.isb.server import free_port
 from isbflow.platform import nats_connection_json
 from isbflow.spec import load_specs
@@ -75,6 +77,32 @@ def test_hook_falls_back_to_embedded_server_without_connection(nats_server, monk
     assert settings.servers == nats_server.settings.servers
     ok, message = hook.test_connection()
     assert ok, message
+
+
+def test_readers_use_the_reader_connection_when_defined(nats_server, monkeypatch):
+    """The UI reads with ``nats_reader`` (the platform defines it with the embedded ``reader`` user,
+    who may publish nothing); without it, the default connection."""
+    from isbflow.airflow.hooks.jetstream import reader_settings
+    from isbflow.platform import nats_connection_json
+
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_NATS_DEFAULT", nats_connection_json(nats_server.state))
+    monkeypatch.delenv("AIRFLOW_CONN_NATS_READER", raising=False)
+    assert reader_settings(nats_server.data_dir).user == "isbflow"
+    monkeypatch.setenv("AIRFLOW_CONN_NATS_READER", nats_connection_json(nats_server.state, "reader"))
+    settings = reader_settings(nats_server.data_dir)
+    assert settings.user == "reader" and settings.inbox_prefix is None  # set from the user at connect
+
+    async def go() -> None:
+        nc = await connect(settings)
+        try:
+            assert (await nc.jetstream().account_info()).streams == 0  # may read metadata
+            with pytest.raises(nats.errors.TimeoutError):  # may not create a stream
+                await nc.request("$JS.API.STREAM.CREATE.x", b"{\"name\": \"x\"}", timeout=2)
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
 
 
 def test_hook_reads_connection_fields():

@@ -23,11 +23,12 @@ from isbflow.connector.writer import (
     JetStreamStreamWriter,
     OutputBufferNotFound,
     WriterOptions,
+    frame_id,
     read_write_stats,
     read_write_totals,
 )
 from isbflow.isb import dlq, frames, naming
-from isbflow.isb.connect import connect, settings_to_json
+from isbflow.isb.connect import connect, session, settings_to_json
 from isbflow.isb.errors import ConnectorOptionError
 from isbflow.spec.models import OnFull
 from tests.helpers.memory_source import memory_rows
@@ -148,7 +149,7 @@ def spark_write(spark, settings, checkpoint, source: dict, sink: dict, transform
 
 # ----------------------------------------------------------------------------- Spark end to end
 
-ID_RE = re.compile(rf"^{STEP}:(\d+):(\d+):(\d+):(\d+)$")
+ID_RE = re.compile(rf"^{STEP}:(\d+):(\d+):(\d+):(\d+):([0-9a-f]{{16}})$")
 
 
 def test_spark_query_routes_by_partition_column_with_deterministic_frame_ids(spark, nats_server, tmp_path):
@@ -177,7 +178,7 @@ def test_spark_query_routes_by_partition_column_with_deterministic_frame_ids(spa
         for _seq, headers, t in frames_p:
             m = ID_RE.match(headers["Nats-Msg-Id"])
             assert m, headers["Nats-Msg-Id"]
-            batch, task, part, chunk = map(int, m.groups())
+            batch, task, part, chunk = map(int, m.groups()[:4])
             assert part == p
             chunks_by_task.setdefault((batch, task), []).append(chunk)
             assert headers[frames.HDR_ROWS] == str(t.num_rows)
@@ -282,8 +283,40 @@ def test_reexecuted_batch_is_dropped_as_duplicates(nats_server):
     # a different batch id is new data: proves the drop above is by frame id
     later = write_direct(opts, table, batch_id=4, task=1)
     assert later.total("frames") == 10
-    heads = [h["Nats-Msg-Id"] for _, h, _ in read_stream(settings, ep(0).stream)]
+    heads = [h["Nats-Msg-Id"].rsplit(":", 1)[0] for _, h, _ in read_stream(settings, ep(0).stream)]
     assert heads[:2] == [f"{STEP}:3:1:0:0", f"{STEP}:3:1:0:1"] and heads[5] == f"{STEP}:4:1:0:0"
+
+
+def test_a_forged_frame_under_a_frames_position_does_not_suppress_it(nats_server):
+    """Someone who can publish to the buffer pre-publishes frames under the ids the next batch
+    will use (the position alone, as ids were before the digest, and the position with the
+    digest of other bytes): the real frames still land, every real row is in the buffer."""
+    settings = nats_server.settings
+    provision(settings, partitions=1)
+    stream = ep(0).stream
+    opts = options(settings, partitions=1, frame_rows=1000)
+    table = rows_table(3000, partitions=1)
+    forged = frames.encode(pa.table({"id": [-1], "service": ["forged"], "value": [0.0]}))
+
+    async def forge() -> None:
+        async with session(settings) as nc:
+            js = nc.jetstream()
+            for c in range(3):
+                for msg_id in (f"{STEP}:7:0:0:{c}", frame_id(STEP, 7, 0, 0, c, forged)):
+                    ack = await js.publish(ep(0).subject, forged, headers={
+                        "Nats-Msg-Id": msg_id, frames.HDR_FRAME: frames.FRAME_FORMAT, frames.HDR_ROWS: "1"})
+                    assert not ack.duplicate
+
+    run(forge())
+    report = write_direct(opts, table, batch_id=7, task=0)
+    assert report.total("frames") == 3 and report.total("duplicate_frames") == 0
+    got = read_stream(settings, stream)
+    real = [i for _, _, t in got for i in t.column("id").to_pylist() if i >= 0]
+    assert real == list(range(3000))  # nothing suppressed, order kept
+    assert sum(1 for _, _, t in got if t.column("service").to_pylist() == ["forged"]) == 6
+    # the same frames again (a re-executed batch) are still dropped as duplicates
+    again = write_direct(opts, table, batch_id=7, task=0)
+    assert again.total("duplicate_frames") == 3 and again.total("frames") == 0
 
 
 def test_retry_until_success_waits_for_the_downstream_commit(nats_server):
@@ -320,7 +353,7 @@ def test_retry_until_success_waits_for_the_downstream_commit(nats_server):
     report = result["report"]
     assert report.total("rows") == 10_000 and report.total("discarded_rows") == 0
     got = read_stream(settings, stream)
-    assert [h["Nats-Msg-Id"] for _, h, _ in got] == [f"{STEP}:7:0:0:{c}" for c in range(10)]  # order kept
+    assert [h["Nats-Msg-Id"].rsplit(":", 1)[0] for _, h, _ in got] == [f"{STEP}:7:0:0:{c}" for c in range(10)]  # order kept
     assert [i for _, _, f in got for i in f.column("id").to_pylist()] == list(range(10_000))
 
 

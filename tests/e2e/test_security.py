@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from isbflow.isb.connect import IsbUnreachable, connect, settings_from_url
-from isbflow.isb.server import HOST
+from isbflow.isb.connect import IsbUnreachable, connect, resolve_settings, settings_from_url
+from isbflow.isb.roles import pipeline_grants, pipeline_user
+from isbflow.isb.server import HOST, grant_pipelines
 from isbflow.platform import nats_connection_json
 from isbflow.spec import SpecError, load_specs
 from isbflow.steps.launch import LaunchError, driver_command, launch
@@ -45,8 +46,9 @@ COUNT = 1500
 
 def test_only_owner_only_files_hold_cluster_secrets(nats_cluster):
     nats_dir = nats_cluster.data_dir / "nats"
-    secrets = {(nats_dir / "password").read_text().strip(), (nats_dir / "route-password").read_text().strip()}
-    assert all(len(s) >= 24 for s in secrets)
+    secrets = {(nats_dir / f).read_text().strip()
+               for f in ("password", "route-password", "reader.password", "producer.password")}
+    assert len(secrets) == 4 and all(len(s) >= 24 for s in secrets)
     holders = set()
     for f in nats_cluster.data_dir.rglob("*"):
         if not f.is_file():
@@ -55,7 +57,9 @@ def test_only_owner_only_files_hold_cluster_secrets(nats_cluster):
         if any(s in text for s in secrets):
             holders.add(f.relative_to(nats_dir).as_posix())
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))
-    assert holders == {"password", "route-password", "n1.conf", "n2.conf", "n3.conf"}
+    # the users' passwords in their files and the included users block; the route's in the node confs
+    assert holders == {"password", "route-password", "reader.password", "producer.password", "auth.conf",
+                       "n1.conf", "n2.conf", "n3.conf"}
     assert stat.S_IMODE(nats_dir.stat().st_mode) == 0o700
     for f in [f for f in nats_dir.iterdir() if f.is_file()]:  # confs, state, ports, logs: owner-only too
         assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, (f, oct(f.stat().st_mode))
@@ -126,6 +130,24 @@ def test_pipeline_run_leaks_no_password(nats_server, tmp_path):
     assert password not in proc.stdout and password not in proc.stderr
     _check_event_log(events)
     assert _files_holding(password, events, demo.data_dir) == []
+
+
+def test_a_pipeline_runs_with_its_own_user(nats_server, tmp_path):
+    """The demo's driver logged in as ``pipeline-logs`` (what a launched driver gets) does all its
+    work, and the server refused it nothing: its grants are enough (see tests/isb/test_roles.py for
+    what they refuse)."""
+    demo = DemoRun(nats_server.settings, tmp_path / "data")
+    assert grant_pipelines(nats_server.data_dir, [pipeline_grants(demo.p)])
+    demo.produce(COUNT)
+    demo.settings = resolve_settings(data_dir=nats_server.data_dir, role=pipeline_user("logs"))
+    assert demo.env()["NATS_USER"] == "pipeline-logs"
+
+    result, _ = demo.run()
+
+    assert result["steps"]["in"]["final_offsets"] == {"src-logs-in": COUNT}
+    assert set(demo.raw_ids()) == demo.good_ids(COUNT)
+    log = Path(nats_server.state.nodes[0].log).read_text()
+    assert "Violation" not in log, [ln for ln in log.splitlines() if "Violation" in ln][:5]
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from nats.js.api import StreamConfig
 
 from isbflow.isb import naming
 from isbflow.isb.connect import connect
+from isbflow.isb.roles import pipeline_grants
+from isbflow.isb.server import grant_pipelines
 from isbflow.ops import produce as P
 from isbflow.spec import load_specs
 from tests.conftest import ROOT
@@ -144,6 +146,9 @@ def test_cli_produce_reports_json_and_hints_at_apply(nats_server, pipeline):
     missing = CliRunner().invoke(app, args)
     assert missing.exit_code == 1 and "isbflow isb apply" in missing.output
     asyncio.run(_create_source_stream(nats_server.settings, pipeline))
+    missing = CliRunner().invoke(app, args)  # the stream alone: its producer may not publish there yet
+    assert missing.exit_code == 1 and "not provisioned" in missing.output and "isbflow isb apply" in missing.output
+    grant_pipelines(nats_server.data_dir, [pipeline_grants(pipeline)])  # what 'isb apply' does after creating it
     for published, duplicates in ((200, 0), (0, 200)):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
@@ -192,6 +197,7 @@ def test_cli_produce_event_time_from_now(nats_server, pipeline):
     from isbflow.cli import app
 
     stream = asyncio.run(_create_source_stream(nats_server.settings, pipeline))
+    grant_pipelines(nats_server.data_dir, [pipeline_grants(pipeline)])
     before = datetime.now(UTC)
     result = CliRunner().invoke(app, ["produce", "-f", str(ROOT / "pipelines" / "logs.yaml"), "--data-dir",
                                       str(nats_server.data_dir), "--count", "20", "--seed", "41", "--start", "777",

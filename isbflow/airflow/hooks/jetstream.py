@@ -134,6 +134,22 @@ class JetStreamHook(BaseHook):
             return False, str(e)
 
 
+#: the connection of readers (the UI): the ISB service's read-only ``reader`` user
+READER_CONN_ID = "nats_reader"
+
+
+def reader_settings(data_dir: str | Path | None = None,
+                    service: InterStepBufferService | None = None) -> NatsSettings:
+    """Settings for what only reads (the UI): the ``nats_reader`` connection (the platform defines it
+    with the embedded server's ``reader`` user), else the default connection and its fallback."""
+    hook = JetStreamHook(READER_CONN_ID, data_dir=data_dir)
+    try:
+        conn = hook.get_connection(READER_CONN_ID)
+    except AirflowNotFoundException:
+        return JetStreamHook(data_dir=data_dir).get_settings(service)
+    return hook._settings(conn, service)
+
+
 def settings_from_connection(conn: Any) -> NatsSettings:
     """Build settings from an Airflow connection's fields (see the module docstring)."""
     extra = conn.extra_dejson or {}

@@ -107,7 +107,7 @@ def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provis
 
     with _task_errors():
         prepared = ops.prepare(target.settings, target.specs, target.pipeline, references_dir,
-                               provision=provision, on_missing_reference=missing)
+                               provision=provision, on_missing_reference=missing, data_dir=target.data_dir)
     _log_prepared(prepared, target.pipeline.name, log)
 
 

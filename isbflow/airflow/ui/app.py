@@ -83,13 +83,13 @@ class _SettingsCache:
         self._items: dict[str, tuple[float, Any]] = {}
 
     def get(self, service: Any) -> Any:
-        from isbflow.airflow.hooks.jetstream import JetStreamHook
+        from isbflow.airflow.hooks.jetstream import reader_settings
 
         key = service.name if service is not None else ""
         hit = self._items.get(key)
         if hit is not None and time.monotonic() - hit[0] < self.ttl:
             return hit[1]
-        settings = JetStreamHook(data_dir=data_dir()).get_settings(service)
+        settings = reader_settings(data_dir(), service)
         self._items[key] = (time.monotonic(), settings)
         return settings
 
