@@ -91,12 +91,12 @@ class DagServer:
                                          cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          start_new_session=True)
 
-    def run(self, dag_file: Path, dag_id: str, conf: dict, env: dict[str, str], timeout: float) -> tuple[dict | None, str]:
-        """(the run's result or None when the server died, the run's output)."""
+    def run(self, request: dict, env: dict[str, str], timeout: float) -> tuple[dict | None, str]:
+        """(the result of ``request`` (a DAG run or code) or None when the server died, the run's output)."""
         if not self.alive():
             self.start()
         offset = self.log.stat().st_size
-        request = {"dag_file": str(dag_file), "dag_id": dag_id, "conf": conf, "env": env}
+        request = {**request, "env": env}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         line = self.read_line(timeout)
@@ -158,10 +158,9 @@ class AirflowHome:
         """Run ``dag_id`` (from ``dags/<dag_id>.py`` unless ``dag_file``) once with ``dag.test()``."""
         dag_file = dag_file or DAGS / f"{dag_id}.py"
         env = {**self.env, **(extra_env or {})}
-        if self.server is None:
-            self.server = DagServer(self.env, self.home / "dag-server.log")
-        if self.server.serves(env):
-            result, output = self.server.run(dag_file, dag_id, conf or {}, env, timeout)
+        if self.server_for(env):
+            request = {"dag_file": str(dag_file), "dag_id": dag_id, "conf": conf or {}}
+            result, output = self.server.run(request, env, timeout)
             if result is None or "error" in result:
                 crash = result["error"] if result else "the DAG-runner process died"
                 raise AssertionError(f"dag.test() of {dag_id} crashed ({crash}):\n{output[-4000:]}")
@@ -176,6 +175,27 @@ class AirflowHome:
             raise AssertionError(f"dag.test() of {dag_id} crashed (exit {proc.returncode}):\n{output[-4000:]}")
         d = json.loads(line[len(RESULT_MARK):])
         return DagRunResult(d["state"], d["tasks"], d["xcom"], output)
+
+    def server_for(self, env: dict[str, str]) -> DagServer | None:
+        """The home's DAG-runner process when it can serve a run in ``env`` (started on first use)."""
+        if self.server is None:
+            self.server = DagServer(self.env, self.home / "dag-server.log")
+        return self.server if self.server.serves(env) else None
+
+    def run_code(self, code: str, extra_env: dict[str, str] | None = None, timeout: float = 300) -> object:
+        """Run Python ``code`` that sets ``result`` with Airflow's configuration of this home (the
+        metadata DB, DagBag, ...); ``result`` as JSON gives it back."""
+        env = {**self.env, **(extra_env or {})}
+        if self.server_for(env):
+            out, output = self.server.run({"code": code}, env, timeout)
+            assert out is not None and "error" not in out, f"{(out or {}).get('error')}\n{output[-3000:]}"
+            return out["result"]
+        script = f"import json\n{code}\nprint({RESULT_MARK!r} + json.dumps(result, default=str))"
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)), None)
+        assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
+        return json.loads(line[len(RESULT_MARK):])
 
     def close(self) -> None:
         if self.server is not None:
@@ -251,7 +271,12 @@ def serve(log: str) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         try:
-            out = run_one(req["dag_file"], req["dag_id"], req["conf"])
+            if "code" in req:
+                scope: dict = {}
+                exec(req["code"], scope)  # noqa: S102 - the tests' own code
+                out = {"result": json.loads(json.dumps(scope["result"], default=str))}
+            else:
+                out = run_one(req["dag_file"], req["dag_id"], req["conf"])
         except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
             traceback.print_exc()
             out = {"error": repr(e)}
