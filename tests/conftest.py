@@ -99,3 +99,10 @@ def spark():
 
 # The session's one migrated Airflow DB and the AIRFLOW_HOME built from it, for every folder.
 from tests.helpers.airflow_env import airflow_home, migrated_airflow_db  # noqa: E402, F401
+
+
+def pytest_configure(config):
+    # opt-in: ISBFLOW_TEST_CPU=<file.tsv> records each test's wall, CPU and process starts
+    from tests.helpers.cpu_recorder import register
+
+    register(config)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -212,13 +210,8 @@ class Mini:
 
 def in_airflow_db(airflow_home, env: dict[str, str], code: str) -> Any:
     """Run ``code`` (which sets ``result``) against the test Airflow's metadata DB; return ``result``."""
-    script = ("import json\nfrom sqlalchemy import select\nfrom airflow.utils.session import create_session\n"
-              f"{code}\nprint('@@RESULT@@' + json.dumps(result, default=str))")
-    proc = subprocess.run([sys.executable, "-c", script], env={**airflow_home.env, **env}, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@")), None)
-    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(line[len("@@RESULT@@"):])
+    return airflow_home.run_code("from sqlalchemy import select\nfrom airflow.utils.session import create_session\n"
+                                 + code, env)
 
 
 ASSET_EVENTS = """
@@ -227,6 +220,12 @@ with create_session() as s:
     rows = s.execute(select(AssetModel.uri, AssetEvent.extra, AssetEvent.source_dag_id, AssetEvent.source_task_id)
                      .join(AssetModel, AssetEvent.asset_id == AssetModel.id)).all()
 result = [list(r) for r in rows]
+"""
+
+RESERIALIZE = """
+from airflow.cli.cli_parser import get_parser
+args = get_parser().parse_args(["dags", "reserialize"])
+result = args.func(args)
 """
 
 REPLAY_RUNS = """
@@ -251,7 +250,7 @@ def test_dag_files_import_with_described_params_and_generated_dags(airflow_home,
 import json
 from airflow.dag_processing.dagbag import DagBag
 b = DagBag(DAGS)
-out = {"errors": {k: str(v) for k, v in b.import_errors.items()}, "dags": {}}
+result = out = {"errors": {k: str(v) for k, v in b.import_errors.items()}, "dags": {}}
 for dag_id, dag in b.dags.items():
     out["dags"][dag_id] = {
         "schedule": dag.schedule if isinstance(dag.schedule, str) else type(dag.timetable).__name__,
@@ -260,13 +259,8 @@ for dag_id, dag in b.dags.items():
         "params": {k: bool(p.description) for k, p in dag.params.items()},
         "downstream": {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks},
     }
-print(json.dumps(out))
 """.replace("DAGS", repr(str(DAGS)))
-    env = {**airflow_home.env, "ISBFLOW_PIPELINES_DIR": str(folder)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = airflow_home.run_code(code, {"ISBFLOW_PIPELINES_DIR": str(folder)})
     assert out["errors"] == {}
     dags = out["dags"]
     assert {"pipeline_replay", "pipeline_quality", "pipeline_watchdog", "replay_mini_nightly",
@@ -487,10 +481,8 @@ def test_watchdog_healthy_stale_and_auto_recover(airflow_home, nats_server, tmp_
     assert [f["kind"] for f in stale.xcom["watch_mini"]["findings"]] == ["stale-heartbeat"]
 
     m.write_spec(SPEC.read_text().replace("spec:\n  vertices:", "spec:\n  autoRecover: true\n  vertices:"))
-    # the watchdog triggers pipeline_replay: Airflow needs that DAG in its DB
-    proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "dags", "reserialize"],
-                          env={**airflow_home.env, **m.env}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # the watchdog triggers pipeline_replay: Airflow needs that DAG in its DB ('airflow dags reserialize')
+    airflow_home.run_code(RESERIALIZE, m.env)
     before = in_airflow_db(airflow_home, m.env, REPLAY_RUNS)
 
     recovering = airflow_home.run_dag("pipeline_watchdog", extra_env=m.env)

@@ -12,10 +12,7 @@ stopped by PID at teardown.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from deltalake import DeltaTable
@@ -71,14 +68,10 @@ def expected_ids(count: int) -> set[str]:
 
 
 def test_dag_files_parse(airflow_home):
-    code = ("import json; from airflow.dag_processing.dagbag import DagBag; "
-            f"b = DagBag({str(DAGS)!r}); "
-            "print(json.dumps({'errors': {k: str(v) for k, v in b.import_errors.items()}, "
-            "'dags': sorted(b.dag_ids)}))")
-    proc = subprocess.run([sys.executable, "-c", code], env=airflow_home.env, capture_output=True, text=True,
-                          timeout=180, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    code = ("from airflow.dag_processing.dagbag import DagBag\n"
+            f"b = DagBag({str(DAGS)!r})\n"
+            "result = {'errors': {k: str(v) for k, v in b.import_errors.items()}, 'dags': sorted(b.dag_ids)}")
+    out = airflow_home.run_code(code, timeout=180)
     assert out["errors"] == {}
     assert {"isb_provision", "pipeline_start", "pipeline_drain", "pipeline_batch"} <= set(out["dags"])
 

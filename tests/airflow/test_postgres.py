@@ -164,7 +164,11 @@ def airflow_pg(postgres, tmp_path_factory) -> AirflowHome:
     r = subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"airflow db migrate on PostgreSQL failed:\n{(r.stdout + r.stderr)[-3000:]}"
-    return AirflowHome(home, env)
+    af = AirflowHome(home, env)
+    try:
+        yield af
+    finally:
+        af.close()  # its DAG-runner process, by PID
 
 
 def wait_first_batches(demo: DemoRun, record, steps: tuple[str, ...], timeout: float = 300) -> None:

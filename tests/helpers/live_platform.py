@@ -66,10 +66,17 @@ def status(data_dir: Path) -> dict:
     return json.loads(cli("platform", "status", "--json", data_dir=data_dir).stdout)
 
 
+def status_here(data_dir: Path) -> dict:
+    """What ``isbflow platform status --json`` prints (the same function, JSON round trip), read in
+    the test process: for polling loops, where a CLI process every few seconds (~1.5 CPU-seconds
+    each) would cost more than the platform being watched."""
+    return json.loads(json.dumps(platform.status(Path(data_dir).resolve()), default=str))
+
+
 def steps_running(data_dir: Path) -> dict[str, int] | None:
     """Each step's batch id when every step of the platform's pipeline reports ``running`` and
-    has finished a micro-batch, else None."""
-    st = status(data_dir)
+    has finished a micro-batch, else None (polled in-process: :func:`status_here`)."""
+    st = status_here(data_dir)
     steps = (st.get("pipeline") or {}).get("steps") or {}
     ok = steps and all(s and s["state"] == "running" and s["batch_id"] >= 0 for s in steps.values())
     return {v: s["batch_id"] for v, s in steps.items()} if ok else None
