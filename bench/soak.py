@@ -208,7 +208,9 @@ def slopes(series: list[dict], t0: float, t1: float) -> dict:
     out = {}
     for key, label in METRICS.items():
         m = tenths(series, key, t0, t1)
-        out[key] = {"label": label, **m, "flat": None if m["ratio"] is None else m["ratio"] <= FLAT}
+        grew_from_zero = m["first"] == 0 and (m["last"] or 0) > 0  # no ratio: not flat
+        out[key] = {"label": label, **m,
+                    "flat": False if grew_from_zero else None if m["ratio"] is None else m["ratio"] <= FLAT}
     return out
 
 
