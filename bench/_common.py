@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -241,7 +242,7 @@ def status_bytes(pid: int, key: str) -> int:
     return 0
 
 
-def _pss(pid: int) -> int:
+def pss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             if line.startswith("Pss:"):
@@ -279,6 +280,11 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def tree_memory(pids: list[int]) -> dict[str, int]:
+    """RSS and PSS summed over ``pids`` (e.g. :func:`descendants` of a driver)."""
+    return {"rss_bytes": sum(status_bytes(p, "VmRSS") for p in pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}
+
+
 class RssSampler:
     """Samples RSS (and PSS) of the bench process + the JVM tree every ``interval`` s, in a thread."""
 
@@ -297,7 +303,7 @@ class RssSampler:
         tree = descendants(self.jvm_pid)
         pids = [os.getpid(), *tree]
         rss = {p: status_bytes(p, "VmRSS") for p in pids}
-        return {"rss_bytes": sum(rss.values()), "pss_bytes": sum(_pss(p) for p in pids), "by_process": rss,
+        return {"rss_bytes": sum(rss.values()), "pss_bytes": sum(pss_bytes(p) for p in pids), "by_process": rss,
                 "bench_rss_bytes": rss[os.getpid()], "jvm_rss_bytes": rss.get(self.jvm_pid, 0),
                 "python_workers_rss_bytes": sum(v for p, v in rss.items() if p not in (os.getpid(), self.jvm_pid)),
                 "processes": len(pids)}
@@ -381,6 +387,35 @@ def sink_rows(table: str) -> int:
     except Exception:  # no table (nothing committed)
         return 0
     return int(pc.sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records")).as_py() or 0)
+
+
+def raw_sink_check(table: str, expected: set[str]) -> dict:
+    """Whether a raw sink holds exactly ``expected`` ``_isb_id`` s, none twice (the recovery tests'
+    ``assert_raw_exact``, as figures): rows, expected, duplicates, missing, unexpected, exact."""
+    from deltalake import DeltaTable
+
+    ids = DeltaTable(table).to_pyarrow_table(columns=["_isb_id"]).column("_isb_id").to_pylist()
+    seen = set(ids)
+    out = {"rows": len(ids), "expected": len(expected), "duplicates": len(ids) - len(seen),
+           "missing": len(expected - seen), "unexpected": len(seen - expected),
+           "missing_examples": sorted(expected - seen)[:5], "unexpected_examples": sorted(seen - expected)[:5]}
+    out["exact"] = out["duplicates"] == out["missing"] == out["unexpected"] == 0
+    return out
+
+
+def log(msg: str) -> None:
+    """A timestamped progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_result(result: dict, out: str | Path, print_table) -> None:
+    """Add the command line to ``result``, write it as JSON to ``out``, print its table."""
+    result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print_table(result)
+    print(f"wrote {out}")
 
 
 def now() -> float:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -319,13 +318,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     args = ap.parse_args()
     count = args.count or (20_000 if args.quick else 1_000_000)
-    result = run(count, args.keep)
-    result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print_table(result)
-    print(f"wrote {out}")
+    cm.write_result(run(count, args.keep), args.out, print_table)
 
 
 if __name__ == "__main__":

@@ -385,13 +385,7 @@ def main() -> None:
         trigger=args.trigger, json_files=20 if q else 50,
         frame_rows=max(100, min(10_000, records // 20)),
     )
-    result = run(cfg, args.keep, args.diagnose)
-    result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print_table(result)
-    print(f"wrote {out}")
+    cm.write_result(run(cfg, args.keep, args.diagnose), args.out, print_table)
 
 
 def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:

@@ -43,9 +43,12 @@ MetricsPortOpt = Annotated[int, typer.Option(
     help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (-1: a free port; 0: off; bind address: "
          "ISBFLOW_METRICS_HOST). Recorded as a Prometheus file_sd target in <data dir>/metrics/.",
     envvar="ISBFLOW_METRICS_PORT", min=-1, max=65535)]
+ProcessingTimeOpt = Annotated[str | None, typer.Option(
+    help="continuous: the trigger interval of every query, e.g. '200 milliseconds' (default 1 second).")]
 
 
-def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0):
+def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0,
+         processing_time=None):
     specs, p = pipeline_or_exit(files, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     available_now = trigger == Trigger.AVAILABLE_NOW
@@ -55,6 +58,7 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, 
     try:
         out = call(ops.run_here, specs, p, settings, data_dir_or_default(data_dir), master=master,
                    available_now=available_now, steps=steps, metrics_port=metrics_port,
+                   processing_time=processing_time,
                    on_step=None if json_out else lambda v, s: console.print(
                        f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"
                        + (f", unrouted {s.unrouted_total}" if s.unrouted_total else "")),
@@ -78,12 +82,13 @@ def run_pipeline(
     nats_url: NatsUrl = None,
     json_out: JsonOut = False,
     metrics_port: MetricsPortOpt = 0,
+    processing_time: ProcessingTimeOpt = None,
 ) -> None:
     """Run every step of a pipeline in one Spark application.
 
     Example: isbflow pipeline run -f pipelines/logs.yaml --trigger available-now
     """
-    _run(file, pipeline, data_dir, nats_url, trigger, master, None, json_out, metrics_port)
+    _run(file, pipeline, data_dir, nats_url, trigger, master, None, json_out, metrics_port, processing_time)
 
 
 @step_app.command("run")
@@ -97,6 +102,7 @@ def run_step(
     nats_url: NatsUrl = None,
     json_out: JsonOut = False,
     metrics_port: MetricsPortOpt = 0,
+    processing_time: ProcessingTimeOpt = None,
 ) -> None:
     """Run one step (its own Spark application): e.g. one per machine on a cluster.
 
@@ -105,7 +111,7 @@ def run_step(
     specs, p = pipeline_or_exit(file, pipeline)
     if step not in {v.name for v in p.spec.vertices}:
         fail(f"pipeline {p.name!r} has no step {step!r} (steps: {', '.join(p.topological_order())})", 2)
-    _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out, metrics_port)
+    _run(file, pipeline, data_dir, nats_url, trigger, master, [step], json_out, metrics_port, processing_time)
 
 
 @app.command()

@@ -259,15 +259,18 @@ def batch(spec_file: Path, p: Pipeline, settings: NatsSettings, data_dir: Path, 
 def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, *, master: str = "local[2]",
              available_now: bool = False, steps: list[str] | None = None, metrics_port: int = 0,
              on_step: Callable[[str, StepStatus], None] | None = None,
-             on_metrics: Callable[[str], None] | None = None) -> dict[str, StepStatus]:
+             on_metrics: Callable[[str], None] | None = None,
+             processing_time: str | None = None) -> dict[str, StepStatus]:
     """Run ``steps`` (default all) of ``p`` in this process: continuously until drained or
-    interrupted, or available-now. Raises :class:`PipelineError` when a step fails."""
+    interrupted, or available-now. ``processing_time`` is the continuous trigger's interval
+    (default the runner's). Raises :class:`PipelineError` when a step fails."""
     from isbflow.steps.metrics import serve  # lazy: Spark
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
     spark = spark_session(master, app_name=f"isbflow-{p.name}")
     spark.sparkContext.setLogLevel("WARN")
-    runner = PipelineRunner(spark, specs, p, settings, data_dir)
+    runner = PipelineRunner(spark, specs, p, settings, data_dir,
+                            **({"processing_time": processing_time} if processing_time else {}))
     metrics = None
     if metrics_port:
         metrics = serve(runner, metrics_port, data_dir, key=p.name + (f".{steps[0]}" if steps else ""))

@@ -74,6 +74,7 @@ DEFAULT_STARTUP_GRACE = 300.0
 #: driver logs kept per launch key (and per batch run name) under ``<data dir>/logs/``; older ones are removed
 LOGS_KEPT = 10
 LIVE_STATES = (Observed.STARTING, Observed.RUNNING, Observed.DRAINING)
+PROCESSING_TIME = re.compile(r"\d+(\.\d+)? ?(milliseconds?|ms|seconds?|s|minutes?)")  # a trigger interval
 
 
 class LaunchError(Exception):
@@ -204,14 +205,18 @@ def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path
 
 def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str = "continuous",
                    master: str = "local[2]", pipeline: str | None = None,
-                   steps: Sequence[str] | None = None, json_out: bool = False) -> list[str]:
+                   steps: Sequence[str] | None = None, json_out: bool = False,
+                   processing_time: str | None = None) -> list[str]:
     """``isbflow pipeline run`` (or ``step run`` for one step) as a client-mode driver on this host.
 
     A list of arguments, run without a shell; ``master`` (a DAG parameter) must not look like
-    an option or hold whitespace, so it cannot be taken for another argument."""
+    an option or hold whitespace, so it cannot be taken for another argument. ``processing_time``:
+    the trigger interval, ``--processing-time`` (e.g. ``"200 milliseconds"``; default 1 second)."""
     isbflow = Path(sys.executable).parent / "isbflow"
     if not master or master.startswith("-") or any(c.isspace() or not c.isprintable() for c in master):
         raise LaunchError(f"Spark master {master!r} is not a master URL (e.g. local[2], spark://host:7077)")
+    if processing_time is not None and not PROCESSING_TIME.fullmatch(processing_time):
+        raise LaunchError(f"processing time {processing_time!r} is not an interval such as '200 milliseconds'")
     if steps and len(steps) > 1:
         raise LaunchError(f"cannot launch steps {', '.join(steps)} together: launch the whole pipeline "
                           "(steps=None) or one step at a time")
@@ -223,6 +228,7 @@ def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str 
             "--data-dir", str(Path(data_dir).absolute())]
     if pipeline:
         cmd += ["--pipeline", pipeline]
+    cmd += ["--processing-time", processing_time] if processing_time is not None else []
     if json_out:
         cmd.append("--json")
     return cmd
@@ -319,14 +325,13 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
                     steps: Sequence[str] | None = None, workdir: str | Path | None = None,
                     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
                     startup_grace: float = DEFAULT_STARTUP_GRACE,
-                    extra_env: Mapping[str, str] | None = None) -> LaunchRecord:
+                    extra_env: Mapping[str, str] | None = None, processing_time: str | None = None) -> LaunchRecord:
     """Start the pipeline's steps (all, or one) continuously in a detached driver; see the module doc.
 
     ``workdir`` is the driver's working directory and is put on its ``PYTHONPATH``
     (where the user's transforms, e.g. ``spark_apps/``, import from); ``extra_env`` adds to its
-    environment (the local platform's marker). Reads the
-    step heartbeats from the ISB service to judge an existing launch; raises
-    :class:`isbflow.isb.connect.IsbUnreachable` when it cannot.
+    environment (the local platform's marker); ``processing_time`` the trigger interval. Reads the
+    step heartbeats to judge an existing launch (:class:`~isbflow.isb.connect.IsbUnreachable`: cannot).
     """
     import asyncio
 
@@ -338,7 +343,7 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
     if existing is not None and existing.alive() is not False:
         statuses = asyncio.run(read_statuses(settings, p.name, p.topological_order()))
     command = driver_command(spec_file, data_dir=data_dir, trigger="continuous", master=master,
-                             pipeline=p.name, steps=steps)
+                             pipeline=p.name, steps=steps, processing_time=processing_time)
     env = driver_env(settings, data_dir, workdir, base={**os.environ, **(extra_env or {})})
     return launch(key, p.name, command, data_dir=data_dir, env=env,
                   spec=Path(spec_file).absolute(), master=master, steps=steps, workdir=workdir,

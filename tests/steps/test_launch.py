@@ -140,6 +140,12 @@ def test_driver_command_and_settings_env(tmp_path, monkeypatch):
     assert L.driver_command("x.yaml", data_dir=tmp_path, steps=["parse"])[1:4] == ["step", "run", "--step"]
     with pytest.raises(L.LaunchError, match="cannot launch steps a, b together"):
         L.driver_command("x.yaml", data_dir=tmp_path, steps=["a", "b"])
+    fast = L.driver_command("x.yaml", data_dir=tmp_path, processing_time="200 milliseconds")
+    assert fast[-2:] == ["--processing-time", "200 milliseconds"]
+    assert "--processing-time" not in cmd  # default: the runner's interval
+    for bad in ("--json", "1 second --x", "soon"):
+        with pytest.raises(L.LaunchError, match="is not an interval"):
+            L.driver_command("x.yaml", data_dir=tmp_path, processing_time=bad)
 
     tls = NatsSettings(servers=("tls://u:p@127.0.0.1:1",), tls_ca="/ca.pem")
     for original in (SETTINGS, tls, NatsSettings(servers=("nats://tok@h:1",))):
