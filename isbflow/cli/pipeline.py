@@ -44,7 +44,8 @@ MetricsPortOpt = Annotated[int, typer.Option(
          "ISBFLOW_METRICS_HOST). Recorded as a Prometheus file_sd target in <data dir>/metrics/.",
     envvar="ISBFLOW_METRICS_PORT", min=-1, max=65535)]
 ProcessingTimeOpt = Annotated[str | None, typer.Option(
-    help="continuous: the trigger interval of every query, e.g. '200 milliseconds' (default 1 second).")]
+    help="continuous: the trigger interval of every query, e.g. '200 milliseconds', over the spec's "
+         "limits.readTimeout (default: that, per vertex; 1 second when unset).")]
 
 
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0,

@@ -262,7 +262,7 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
              on_metrics: Callable[[str], None] | None = None,
              processing_time: str | None = None) -> dict[str, StepStatus]:
     """Run ``steps`` (default all) of ``p`` in this process: continuously until drained or
-    interrupted, or available-now. ``processing_time`` is the continuous trigger's interval
+    interrupted, or available-now. ``processing_time`` overrides every step's trigger interval
     (default the runner's). Raises :class:`PipelineError` when a step fails."""
     from isbflow.steps.metrics import serve  # lazy: Spark
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
@@ -270,7 +270,7 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     spark = spark_session(master, app_name=f"isbflow-{p.name}")
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, data_dir,
-                            **({"processing_time": processing_time} if processing_time else {}))
+                            processing_time=processing_time)
     metrics = None
     if metrics_port:
         metrics = serve(runner, metrics_port, data_dir, key=p.name + (f".{steps[0]}" if steps else ""))
