@@ -146,36 +146,67 @@ def _in_flight_batches(checkpoints: Path) -> dict[str, list[int]]:
     return out
 
 
+class Producer(threading.Thread):
+    """Publishes events ``start, start+1, ...`` at ``rate`` (one :func:`h.publish` of ``rate``
+    events a second) until :meth:`stop`; ``published`` counts what it published (the whole
+    chunk that runs when stopped included), ``error`` holds what made it fail."""
+
+    def __init__(self, settings, p, start: int, rate: int):
+        super().__init__(daemon=True)
+        self.settings, self.p, self.start_at, self.rate = settings, p, start, rate
+        self.published = 0
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                h.publish(self.settings, self.p, self.rate, start=self.start_at + self.published,
+                          malformed_every=MALFORMED_EVERY, rate=self.rate)
+                self.published += self.rate
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            self.error = e
+
+    def stop(self, timeout: float) -> int:
+        self.stopped.set()
+        self.join(timeout)
+        assert not self.is_alive(), "the producer did not stop"
+        assert self.error is None, f"the producer failed: {self.error!r}"
+        return self.published
+
+
 @pytest.mark.timeout(900)
 def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_server, tmp_path):
     """``isbflow pipeline run --trigger continuous`` as a detached driver, SIGKILLed (driver,
-    JVM and Python workers at once) while records flow, started again on the same checkpoints."""
+    JVM and Python workers at once) while records flow, started again on the same checkpoints;
+    records keep arriving while it is down."""
     settings = nats_server.settings
     spec = h.SPECS / "fault-logs.yaml"
     specs, p = h.setup(settings, spec)
     data_dir = tmp_path / "data"
-    first, during = 2000, 4000
+    first, rate = 2000, 100
     h.publish(settings, p, first, malformed_every=MALFORMED_EVERY)
+    producer = Producer(settings, p, first, rate)
     try:
         rec = launch_pipeline(spec, data_dir, settings, workdir=h.ROOT)
         h.wait_for(lambda: _all_running(settings, p, rec.pid), 300,
                    f"every step of the driver to run (log {rec.log})")
         h.wait_for(lambda: h.committed(settings, p, "raw", "isb-logs-enrich-raw-0") > 0, 300,
                    f"the raw sink's first commit (log {rec.log})")
-        producer = threading.Thread(target=h.publish, args=(settings, p, during), daemon=True,
-                                    kwargs={"start": first, "malformed_every": MALFORMED_EVERY, "rate": 100})
         producer.start()
         # records flow: the source step commits what the producer publishes now
         h.wait_for(lambda: h.committed(settings, p, "in", "src-logs-in") > first + 300, 120,
                    f"the driver to read the live records (log {rec.log})")
-        assert producer.is_alive(), "the producer finished before the kill: records must still flow"
+        assert producer.is_alive() and producer.error is None, "records must still flow at the kill"
 
         h.kill_group(rec.pid)
 
         in_flight = _in_flight_batches(data_dir / "checkpoints" / p.name)
         print(f"killed pid {rec.pid}; batches logged but not committed: {in_flight}")
-        producer.join(120)
-        assert not producer.is_alive()
+        at_kill = producer.published
+        h.wait_for(lambda: producer.published >= at_kill + 2 * rate or producer.error, 60,
+                   "the producer to publish while the driver is down")
+        during = producer.stop(60)
         again = launch_pipeline(spec, data_dir, settings, workdir=h.ROOT)
         assert not again.reused and again.pid != rec.pid
         published = first + during
@@ -185,9 +216,10 @@ def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_ser
         assert {v: s.state for v, s in final.items()} == {v: "drained" for v in p.topological_order()}
         assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
     finally:
+        producer.stopped.set()
         stop_launch(data_dir, p.name, grace=20)
 
-    bad = h.malformed_seqs(1, 0, first + during, MALFORMED_EVERY)
+    bad = h.malformed_seqs(1, 0, published, MALFORMED_EVERY)
     assert len(h.dead_letters(settings, p)) == len(bad)  # each once, though batches ran twice
     raw = h.sink_path(data_dir, p, "raw")
     h.assert_raw_exact(raw, h.expected_ids(published, bad))
