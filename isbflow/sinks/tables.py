@@ -34,7 +34,11 @@ def sink_vertex(pipeline: Pipeline, sink: str) -> Vertex:
 
 def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
     """The Delta table folder of sink vertex ``sink`` (relative paths live under the data dir)."""
-    path = Path(sink_vertex(pipeline, sink).sink.delta.path)
+    v = sink_vertex(pipeline, sink)
+    if v.sink.delta is None:
+        raise SinkTableError(f"sink {sink!r} of pipeline {pipeline.name!r} is a PostgreSQL table "
+                             f"({v.sink.postgres.table}), not a Delta table")
+    path = Path(v.sink.delta.path)
     return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
 
 
