@@ -23,6 +23,8 @@ from deltalake import DeltaTable
 
 from isbflow.isb import ledger, provision
 from isbflow.isb.connect import connect
+from isbflow.quality.basis import read_ledger_basis
+from isbflow.quality.run import run_quality
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 from isbflow.steps.runner import PipelineRunner, StepError
@@ -112,6 +114,22 @@ def test_records_land_once_in_a_table_made_from_the_output_schema(spark, nats_se
     asyncio.run(_publish(settings, range(31, 41)))
     run(spark, specs, p, settings, tmp_path)
     assert query(pg, "SELECT count(*), count(DISTINCT _isb_id), max(n) FROM landing.events") == [(40, 40, 40)]
+
+    # the quality suite's completeness (on the offset ledger) and uniqueness run on the table
+    good = run_quality(spark, p, "events", tmp_path, basis=read_ledger_basis(settings, p, tmp_path, wait_s=5))
+    assert good.success and good.kind == "raw" and good.rows == 40, [c for c in good.checks if not c.success]
+    assert good.table_path == "postgres:landing.events" and good.table_version == len(book) + 1
+    checked = {c.name: c for c in good.checks}
+    assert checked["completeness"].skipped is None and checked["uniqueness"].skipped is None
+    # a row lost and an id twice (the key dropped first): both checks find them
+    lost = query(pg, "DELETE FROM landing.events WHERE n = 7 RETURNING _isb_id")[0][0]
+    query(pg, "ALTER TABLE landing.events DROP CONSTRAINT events_pkey")
+    query(pg, "INSERT INTO landing.events SELECT * FROM landing.events WHERE n IN (3, 4)")
+    bad = run_quality(spark, p, "events", tmp_path, basis=read_ledger_basis(settings, p, tmp_path, wait_s=5))
+    failed = {c.name: c for c in bad.checks if not c.success}
+    assert set(failed) == {"completeness", "uniqueness"} and bad.gate_failed
+    assert failed["completeness"].unexpected_count == 1 and failed["completeness"].samples == [lost]
+    assert failed["uniqueness"].unexpected_count == 2
 
 
 async def _ledger(settings, pipeline: str):
