@@ -19,7 +19,8 @@ driver once per micro-batch, brings the batch's rows to the driver as Arrow
    ``merge`` for recovery: a row whose key the table holds is not inserted again)
    or ``DO UPDATE`` (``upsert``: the sink of a ``udf.output: update`` step, the
    latest ``versionColumn`` per key);
-4. inserts the bookkeeping row ``(app_id, target, batch_id, sink, rows, offsets)``; the
+4. inserts the bookkeeping row ``(app_id, target, batch_id, sink, rows, written, offsets)``
+   (``rows`` the batch offered, ``written`` those inserted or updated: recovery's merge stats); the
    offsets are the batch's source ranges (:func:`isbflow.isb.ledger.id_ranges`
    of its ``_isb_id`` column), the table's own record of what it holds, like
    the Delta sink's ``isb.offsets`` commit metadata.
@@ -221,7 +222,7 @@ def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
         cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(_schema_of(target.spec.table))))
     cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (app_id text NOT NULL, target text NOT NULL, "
                         "batch_id bigint NOT NULL, sink text NOT NULL, rows bigint NOT NULL, "
-                        "offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now(), "
+                        "written bigint NOT NULL, offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now(), "
                         "PRIMARY KEY (app_id, target, batch_id))")
                 .format(_ident(book)))
     columns = [f for f in schema if f.name != target.version_column]
@@ -294,9 +295,9 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
                                  "id or restore the checkpoint", target.where, done, target.app_id, batch_id)
                 return PgBatchCommit(batch_id, batch.num_rows, 0, f"table already holds batch {done}")
             written = _write(cur, target, batch)
-            cur.execute(sql.SQL("INSERT INTO {} (app_id, target, batch_id, sink, rows, offsets) VALUES "
-                                "(%s, %s, %s, %s, %s, %s)").format(book),
-                        (target.app_id, target.spec.table, batch_id, target.sink, written,
+            cur.execute(sql.SQL("INSERT INTO {} (app_id, target, batch_id, sink, rows, written, offsets) "
+                                "VALUES (%s, %s, %s, %s, %s, %s, %s)").format(book),
+                        (target.app_id, target.spec.table, batch_id, target.sink, batch.num_rows, written,
                          ledger.to_metadata(offsets)))
     except PostgresSinkError:
         raise

@@ -95,10 +95,11 @@ def test_a_replayed_batch_commits_nothing_and_an_id_is_never_twice(pg):
     third = commit_batch(t, batch(range(8, 16)), 1)
     assert third.written == 5
     assert query(pg, "SELECT count(*), count(DISTINCT _isb_id) FROM once") == [(15, 15)]
-    book = query(pg, "SELECT app_id, batch_id, sink, rows, offsets FROM isb_sink_batches "
+    book = query(pg, "SELECT app_id, batch_id, sink, rows, written, offsets FROM isb_sink_batches "
                      "WHERE app_id = 'p/raw' AND target = 'once' ORDER BY batch_id")
-    assert [(a, b, s, r) for a, b, s, r, _ in book] == [("p/raw", 0, "raw", 10), ("p/raw", 1, "raw", 5)]
-    assert book[1][4] == {"in/0": [[8, 15]]}
+    assert [(a, b, s, r, w) for a, b, s, r, w, _ in book] == [("p/raw", 0, "raw", 10, 10),
+                                                              ("p/raw", 1, "raw", 8, 5)]
+    assert book[1][5] == {"in/0": [[8, 15]]}
     assert committed_offsets(t) == {"in/0": [[1, 15]]}
     # another app id (a recovery's new checkpoint epoch) starts its own batch ids
     other = commit_batch(target(pg, "once", app="p/raw#e1"), batch(range(14, 18)), 0)
