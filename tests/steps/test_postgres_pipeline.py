@@ -25,6 +25,7 @@ from isbflow.isb import ledger, naming, provision
 from isbflow.isb.connect import connect
 from isbflow.quality.basis import read_ledger_basis
 from isbflow.quality.run import run_quality
+from isbflow.recovery.plan import plan_recover
 from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
@@ -204,6 +205,8 @@ def test_recover_refills_a_postgres_sink_after_its_buffer_is_lost(spark, nats_se
     lost = naming.EdgePartition(p.name, "shape", "events", 0).stream
     asyncio.run(_delete_stream(settings, lost))
 
+    plan = plan_recover(spark, specs, p, settings, tmp_path)  # the dry run reads the same offsets
+    assert plan.state == "would-recover" and plan.records_to_replay == 20 and "events" in plan.id_sinks
     report = recover(spark, specs, p, settings, tmp_path)
     assert report.ok, json.dumps(report.to_json(), default=str)
     assert [b.stream for b in report.lost] == [lost]
