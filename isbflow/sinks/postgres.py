@@ -140,7 +140,11 @@ def connect_kwargs(target: PostgresTarget) -> dict[str, object]:
             path = Path(spec.passwordFile).expanduser()
             path = path if path.is_absolute() else Path(target.data_dir) / path
             try:
-                kw["password"] = path.read_text().splitlines()[0] if path.stat().st_size else ""
+                mode = path.stat().st_mode
+                if mode & 0o077:
+                    raise PostgresSinkError(f"{target.where}: passwordFile {path} is readable by others "
+                                            f"(mode {mode & 0o777:o}): chmod 600 it")
+                kw["password"] = (path.read_text().splitlines() or [""])[0]
             except OSError as e:
                 raise PostgresSinkError(f"{target.where}: cannot read passwordFile {path}: "
                                         f"{e.strerror}") from None
@@ -213,6 +217,14 @@ def pg_type(t: pa.DataType) -> str:
     raise PostgresSinkError(f"no PostgreSQL type for Arrow type {t}")
 
 
+def _column_type(target: PostgresTarget, f: pa.Field) -> str:
+    try:
+        return pg_type(f.type)
+    except PostgresSinkError as e:
+        raise PostgresSinkError(f"{target.where}: column {f.name!r}: {e}; cast it in the step's "
+                                "transform") from None
+
+
 def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
     """Create the bookkeeping table and (from ``schema``) the target, each when missing."""
     from psycopg import sql
@@ -227,7 +239,7 @@ def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
                 .format(_ident(book)))
     columns = [f for f in schema if f.name != target.version_column]
     key = [k for k in target.key if k in schema.names]
-    cols = [sql.SQL("{} {}").format(sql.Identifier(f.name), sql.SQL(pg_type(f.type))) for f in columns]
+    cols = [sql.SQL("{} {}").format(sql.Identifier(f.name), sql.SQL(_column_type(target, f))) for f in columns]
     if key:
         cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key))))
     cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(_ident(target.spec.table),

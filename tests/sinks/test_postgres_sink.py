@@ -151,11 +151,26 @@ def test_a_schema_qualified_table_gets_its_schema_and_bookkeeping(pg):
 
 
 def test_a_dsn_with_a_password_file(pg, tmp_path):
-    (tmp_path / "pw").write_text(pg.password + "\n")
+    pw = tmp_path / "pw"
+    pw.write_text(pg.password + "\n")
+    pw.chmod(0o644)
     spec = PostgresSink(table="by_dsn", dsn=f"host={HOST} port={pg.port} dbname={pg.db} user={pg.user}",
                         passwordFile="pw")
     t = PostgresTarget(sink="raw", spec=spec, app_id="p/raw", data_dir=str(tmp_path), environ={})
+    with pytest.raises(PostgresSinkError, match=r"passwordFile .*/pw is readable by others \(mode 644\): chmod 600"):
+        commit_batch(t, batch(range(1, 4)), 0)
+    pw.chmod(0o600)
     assert commit_batch(t, batch(range(1, 4)), 0).written == 3
+    # or from an environment variable
+    spec = PostgresSink(table="by_dsn", dsn=f"postgresql://{pg.user}@{HOST}:{pg.port}/{pg.db}", passwordEnv="PGPW")
+    t = PostgresTarget(sink="raw", spec=spec, app_id="p/raw", environ={"PGPW": pg.password})
+    assert commit_batch(t, batch(range(3, 6)), 1).written == 2
+
+
+def test_a_column_without_a_postgresql_type_is_named(pg):
+    odd = batch(range(1, 3)).append_column("nothing", pa.nulls(2))
+    with pytest.raises(PostgresSinkError, match="column 'nothing': no PostgreSQL type for Arrow type null; cast it"):
+        commit_batch(target(pg, "odd"), odd, 0)
 
 
 def test_a_bad_connection_names_the_sink_and_the_connection_never_the_password(pg):
