@@ -281,6 +281,33 @@ def _rows(table: pa.Table):
     return zip(*cols, strict=True)
 
 
+def _flat(t: pa.DataType) -> bool:
+    """Types Arrow's CSV writer renders as PostgreSQL reads them."""
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+            or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
+            or pa.types.is_date(t) or pa.types.is_timestamp(t))
+
+
+def _copy(cur, stage, table: pa.Table) -> None:
+    """COPY ``table`` into the staging table: as CSV written by Arrow (vectorised) when every column
+    is flat, else row by row (nested values as JSON)."""
+    from psycopg import sql
+
+    names = sql.SQL(", ").join(map(sql.Identifier, table.schema.names))
+    if all(_flat(f.type) for f in table.schema):
+        import pyarrow.csv as pacsv
+
+        sink = pa.BufferOutputStream()
+        # nulls unquoted and empty, every string quoted: PostgreSQL's CSV tells NULL from ''
+        pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False, quoting_style="all_valid"))
+        with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(stage, names)) as cp:
+            cp.write(sink.getvalue().to_pybytes())
+        return
+    with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(stage, names)) as cp:
+        for row in _rows(table):
+            cp.write_row(row)
+
+
 def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=None) -> PgBatchCommit:
     """Commit one micro-batch in one transaction, at most once per (app id, batch id) (module doc)."""
     from psycopg import sql
@@ -345,9 +372,7 @@ def _write(cur, target: PostgresTarget, batch: pa.Table) -> int:
     if target.version_column and target.version_column in batch.schema.names:
         cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(stage, sql.Identifier(target.version_column)))
         copied.append(target.version_column)
-    with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(stage, sql.SQL(", ").join(map(sql.Identifier, copied)))) as cp:
-        for row in _rows(batch.select(copied)):
-            cp.write_row(row)
+    _copy(cur, stage, batch.select(copied))
     source = sql.SQL("SELECT {} FROM {}").format(cols, stage)
     key = [k for k in target.key if k in names]
     if key and target.version_column in copied:  # the latest version of each key in the batch
