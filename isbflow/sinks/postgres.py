@@ -92,11 +92,16 @@ class PostgresTarget:
 
 # ------------------------------------------------------------------ connection settings
 
+def connection_env(conn_id: str) -> str:
+    """The environment variable Airflow reads connection ``conn_id`` from: ``AIRFLOW_CONN_<ID>``."""
+    return "AIRFLOW_CONN_" + conn_id.upper().replace("-", "_").replace(".", "_")
+
+
 def airflow_connection(conn_id: str, environ: dict[str, str] | None = None) -> dict[str, object]:
     """psycopg keyword arguments of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>``
     (URI ``postgres://user:pass@host:port/db?sslmode=...`` or Airflow's JSON form)."""
     env = os.environ if environ is None else environ
-    name = "AIRFLOW_CONN_" + conn_id.upper().replace("-", "_").replace(".", "_")
+    name = connection_env(conn_id)
     value = env.get(name)
     if not value:
         raise PostgresSinkError(f"Airflow connection {conn_id!r} is not defined: set {name} (URI "

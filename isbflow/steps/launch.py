@@ -25,7 +25,7 @@ beside it would corrupt the checkpoints; stop it first (:func:`stop_launch`).
 environment only (``NATS_URL`` without credentials, ``NATS_USER`` /
 ``NATS_PASSWORD``, ``NATS_TOKEN``, ``NATS_CREDS``, ``NATS_TLS_*``; see
 :func:`settings_env`), never its command line or the log. The caller's
-``AIRFLOW*`` variables are not passed on (they may hold connection URIs).
+``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (``pg_sink``).
 
 **Seam for clusters.** :func:`driver_command` builds the command for a
 client-mode driver on this machine (``local[N]`` or a standalone master: Spark
@@ -66,6 +66,7 @@ from isbflow.local.files import keep_newest, tail
 from isbflow.local.procs import process_alive, process_start
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
+from isbflow.steps.pg_sink import sink_connections
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +340,9 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
         statuses = asyncio.run(read_statuses(settings, p.name, p.topological_order()))
     command = driver_command(spec_file, data_dir=data_dir, trigger="continuous", master=master,
                              pipeline=p.name, steps=steps)
-    env = driver_env(settings, data_dir, workdir, base={**os.environ, **(extra_env or {})})
+    base = {**os.environ, **(extra_env or {})}
+    env = driver_env(settings, data_dir, workdir, base=base)
+    env.update(sink_connections(p, base))
     return launch(key, p.name, command, data_dir=data_dir, env=env,
                   spec=Path(spec_file).absolute(), master=master, steps=steps, workdir=workdir,
                   statuses=statuses, heartbeat_timeout=heartbeat_timeout, startup_grace=startup_grace)
@@ -475,7 +478,9 @@ def run_foreground(spec_file: str | Path, data_dir: str | Path, settings: NatsSe
     log_path.touch()
     prune_logs(logs, f"{re.escape(name)}-[0-9a-f]{{12}}")
     with open(log_path, "ab") as err:
-        proc = subprocess.Popen(command, env=driver_env(settings, data_dir, workdir), cwd=workdir,
+        specs = load_specs([Path(spec_file)])
+        env = sink_connections(specs.pipelines[pipeline] if pipeline else specs.only_pipeline())
+        proc = subprocess.Popen(command, env={**driver_env(settings, data_dir, workdir), **env}, cwd=workdir,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                 start_new_session=True)
         try:

@@ -10,10 +10,16 @@ so a fresh checkpoint after a recovery is not taken for batches already held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 from isbflow.isb.ledger import ID_COLUMN
-from isbflow.sinks.postgres import PostgresBatchWriter, PostgresSinkError, PostgresTarget
+from isbflow.sinks.postgres import (
+    PostgresBatchWriter,
+    PostgresSinkError,
+    PostgresTarget,
+    connection_env,
+)
 from isbflow.spec.models import Vertex
 from isbflow.steps.restart import StepError
 from isbflow.steps.update import VERSION_COLUMN
@@ -42,3 +48,13 @@ def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: 
     except PostgresSinkError as e:
         raise StepError(f"step {v.name!r}: {e}") from None
     return writer
+
+
+def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``AIRFLOW_CONN_<ID>`` variables (from ``base``, default ``os.environ``) of the Airflow
+    connections pipeline ``p``'s PostgreSQL sinks name, and only those: a launched driver's
+    environment (:func:`isbflow.steps.launch.driver_env`) has no other Airflow variable."""
+    src = os.environ if base is None else base
+    names = [connection_env(v.sink.postgres.connection) for v in p.spec.vertices
+             if v.sink is not None and v.sink.postgres is not None and v.sink.postgres.connection]
+    return {n: src[n] for n in names if n in src}
