@@ -32,6 +32,7 @@ from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 from isbflow.steps.launch import launch_pipeline, stop_launch, wait_exit
+from isbflow.steps.pg_sink import sink_connections
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers import recovery as h
@@ -270,3 +271,11 @@ def test_a_driver_killed_mid_run_leaves_every_id_once(spark, nats_server, pg_con
         [(total, total, 1, total)]
     book = query(pg, "SELECT batch_id, written FROM landing.isb_sink_batches WHERE app_id = 'pgsink/events'")
     assert sum(w for _, w in book) == total  # no batch was written twice
+
+
+def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
+    p = load_specs(SPEC).only_pipeline()
+    base = {"AIRFLOW_CONN_PG_SINKS": "postgres://u:p@h/d", "AIRFLOW_CONN_OTHER": "postgres://x:y@h/d",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://a:b@h/airflow", "HOME": "/root"}
+    assert sink_connections(p, base) == {"AIRFLOW_CONN_PG_SINKS": "postgres://u:p@h/d"}
+    assert sink_connections(p, {}) == {}  # not defined: the sink's own error names the variable
