@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import threading
-import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -31,11 +29,9 @@ from isbflow.recovery.plan import plan_recover
 from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
-from isbflow.steps.launch import launch_pipeline, stop_launch, wait_exit
 from isbflow.steps.pg_sink import sink_connections
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
-from tests.helpers import recovery as h
 from tests.helpers.postgres import HOST, Postgres, running_postgres
 
 pytestmark = pytest.mark.slow
@@ -224,53 +220,6 @@ def test_recover_refills_a_postgres_sink_after_its_buffer_is_lost(spark, nats_se
     # the replay committed under the new checkpoint epoch's app id
     assert {a for (a,) in query(pg, "SELECT DISTINCT app_id FROM landing.isb_sink_batches")} == \
         {"pgsink/events", "pgsink/events#e1"}
-
-
-def _published_slowly(settings, numbers, pause: float) -> None:
-    for n in numbers:
-        asyncio.run(_publish(settings, [n]))
-        time.sleep(pause)
-
-
-@pytest.mark.timeout(900)
-def test_a_driver_killed_mid_run_leaves_every_id_once(spark, nats_server, pg_conn, tmp_path, monkeypatch):
-    """A detached continuous driver (``launch_pipeline``: it gets the sink's AIRFLOW_CONN_PG_SINKS,
-    and no other Airflow variable) SIGKILLed while records flow, then started again on the same
-    checkpoints: the table ends with every record once; a batch the kill caught between its
-    PostgreSQL commit and its checkpoint commit is replayed and commits nothing."""
-    pg, settings = pg_conn, nats_server.settings
-    monkeypatch.setenv("AIRFLOW_CONN_UNRELATED", "postgres://x:leak@127.0.0.1:1/x")
-    specs, p = setup(nats_server)
-    data_dir = tmp_path / "data"
-    sink_stream = naming.EdgePartition(p.name, "shape", "events", 0).stream
-    first, total = 100, 300
-    asyncio.run(_publish(settings, range(1, first + 1)))
-    try:
-        rec = launch_pipeline(SPEC, data_dir, settings, workdir=ROOT)
-        assert "AIRFLOW_CONN_UNRELATED" not in Path(f"/proc/{rec.pid}/environ").read_bytes().decode(errors="replace")
-        h.wait_for(lambda: h.committed(settings, p, "events", sink_stream) > 0, 300,
-                   f"the PostgreSQL sink's first commit (log {rec.log})")
-        producer = threading.Thread(target=_published_slowly, args=(settings, range(first + 1, total + 1), 0.02),
-                                    daemon=True)
-        producer.start()
-        h.wait_for(lambda: h.committed(settings, p, "events", sink_stream) > first + 20, 300,
-                   f"the sink to commit live records (log {rec.log})")
-        h.kill_group(rec.pid)
-        producer.join(120)
-        assert not producer.is_alive()
-        held_at_kill = query(pg, "SELECT count(*) FROM landing.events")[0][0]
-        assert first < held_at_kill < total + 1
-        again = launch_pipeline(SPEC, data_dir, settings, workdir=ROOT)
-        h.wait_for(lambda: query(pg, "SELECT count(*) FROM landing.events")[0][0] >= total, 400,
-                   f"the restarted driver to land every record (log {again.log})")
-        h.drain(settings, p, timeout=300)
-        assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
-    finally:
-        stop_launch(data_dir, p.name, grace=20)
-    assert query(pg, "SELECT count(*), count(DISTINCT _isb_id), min(n), max(n) FROM landing.events") == \
-        [(total, total, 1, total)]
-    book = query(pg, "SELECT batch_id, written FROM landing.isb_sink_batches WHERE app_id = 'pgsink/events'")
-    assert sum(w for _, w in book) == total  # no batch was written twice
 
 
 def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
