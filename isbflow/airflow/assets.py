@@ -64,7 +64,7 @@ def emit_sink_events(context: Mapping[str, Any], pipeline, data_dir: str | Path,
     accessor = context["outlet_events"][sinks_alias()]
     added = []
     for v in pipeline.spec.vertices:
-        if v.sink is None or (wanted is not None and v.name not in wanted):
+        if v.sink is None or v.sink.delta is None or (wanted is not None and v.name not in wanted):
             continue
         path = sink_table_path(pipeline, v.name, data_dir)
         version = sink_version(path)

@@ -15,6 +15,7 @@ deeper.
 from __future__ import annotations
 
 from isbflow.local.procs import process_alive, process_start
-from isbflow.steps.launch import driver_env, stop_process, wait_exit
+from isbflow.steps.driver import driver_env
+from isbflow.steps.launch import stop_process, wait_exit
 
 __all__ = ["driver_env", "process_alive", "process_start", "stop_process", "wait_exit"]

@@ -25,7 +25,7 @@ def sink_tables(pipeline: Pipeline, data_dir: str | Path) -> list[tuple[str, str
     """``(sink, table path, current version or None when the table does not exist yet)`` per sink."""
     out = []
     for v in pipeline.spec.vertices:
-        if v.sink is not None:
+        if v.sink is not None and v.sink.delta is not None:  # PostgreSQL sinks have no Delta table
             path = sink_table_path(pipeline, v.name, data_dir)
             out.append((v.name, path, sink_version(path)))
     return out
@@ -37,7 +37,7 @@ def maintain_sinks(pipeline: Pipeline, data_dir: str | Path, sinks: Sequence[str
     """Compact, then vacuum, each sink's Delta table (default: every sink of ``pipeline``); per sink
     what was done. Raises :class:`MaintenanceError` for an unknown sink or a retention below the
     floor without ``force``, before any table is touched."""
-    names = [v.name for v in pipeline.spec.vertices if v.sink is not None]
+    names = [v.name for v in pipeline.spec.vertices if v.sink is not None and v.sink.delta is not None]
     unknown = [s for s in sinks or [] if s not in names]
     if unknown:
         raise MaintenanceError(f"pipeline {pipeline.name!r} has no sink {', '.join(unknown)} "

@@ -30,12 +30,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from isbflow.isb import ledger
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.quality import checks, docs, gx, reports
 from isbflow.quality.basis import LedgerBasis, ledger_closure, offline_closure
 from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffsetBasis
 from isbflow.quality.errors import QualityError
-from isbflow.sinks.tables import SinkTableError, find_raw_sink, read_version, sink_table_path
+from isbflow.sinks.tables import (
+    SinkTableError,
+    find_raw_sink,
+    is_postgres,
+    read_postgres,
+    read_version,
+    sink_table_path,
+)
 from isbflow.spec.models import Pipeline, QualityGate, SinkQuality
 
 log = logging.getLogger(__name__)
@@ -141,10 +149,14 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     now = now or datetime.now(UTC)
     data_dir = Path(data_dir).absolute()
     q = quality_of(pipeline, sink)
-    path = table_path or _sink_table(sink_table_path, pipeline, sink, data_dir)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    df, version, commit = _sink_table(read_version, spark, path)
+    held = None  # a PostgreSQL sink: the offsets its bookkeeping rows hold, read with its rows
+    if table_path is None and _sink_table(is_postgres, pipeline, sink):
+        df, version, commit, path, held = _sink_table(read_postgres, spark, pipeline, sink, data_dir)
+    else:
+        path = table_path or _sink_table(sink_table_path, pipeline, sink, data_dir)
+        df, version, commit = _sink_table(read_version, spark, path)
     df = df.cache()
     rows = df.count()
     timings["read_s"] = time.perf_counter() - t0
@@ -171,7 +183,7 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
         _count_surplus_rows(df, outcome.results)
     elif kind == "raw":
         if ledger_basis is not None:
-            verdicts, malformed = _judge(ledger_basis, sink, path, df, version)
+            verdicts, malformed = _judge(ledger_basis, sink, path, df, version, held)
             result = checks.ledger_completeness(verdicts, malformed, now, ledger_basis.stored_at,
                                                 ledger_basis.watermarks.get(sink))
             offsets = result.details["ranges"]
@@ -237,9 +249,11 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     return report
 
 
-def _judge(basis: LedgerBasis, sink: str, path: str, df, version: int):
+def _judge(basis: LedgerBasis, sink: str, path: str, df, version: int, held=None):
+    """``held``: a PostgreSQL sink's bookkeeping offsets (its table has no Delta history at ``path``)."""
     sources = {part: (src.first, src.last) for part, src in basis.sources.items()}
-    return checks.judge_sink(df, basis.held(sink, path, version), basis.dead, sources, basis.watermarks.get(sink))
+    ranges = basis.held(sink, path, version) if held is None else ledger.union(basis.held(sink, None), held)
+    return checks.judge_sink(df, ranges, basis.dead, sources, basis.watermarks.get(sink))
 
 
 def _count_surplus_rows(df, gx_results: list[CheckResult]) -> None:

@@ -27,6 +27,7 @@ import pyarrow as pa
 from isbflow.isb import ledger, naming
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.loss import DetectedLoss, detect_loss
+from isbflow.recovery import pg_sinks
 from isbflow.recovery.job import region_of, running_steps
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
@@ -133,7 +134,7 @@ def plan_recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings
 
     sinks = [v for v in plan.region if p.vertex(v).sink is not None]
     paths = {v: _sink_path(p, v, data_dir) for v in sinks}
-    columns = {v: _table_columns(paths[v]) for v in sinks}
+    columns = {v: _table_columns(paths[v]) if paths[v] else None for v in sinks}  # None: from the schema
     unknown = [v for v in sinks if columns[v] is None]
     if unknown:  # no table yet: what the sink would hold is the upstream step's output schema
         session = spark() if callable(spark) else spark
@@ -150,11 +151,15 @@ def plan_recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings
             plan.id_sinks.append(v)
         else:
             plan.merged_by_dimensions[v] = [n for n, dimension in columns[v] if dimension]
-    _low_offsets(plan, state, paths)
+    pg = {v: pg_sinks.held(pg_sinks.target(p, v, data_dir)) for v in plan.id_sinks if paths[v] is None}
+    _low_offsets(plan, state, paths, pg)
     return plan
 
 
-def _sink_path(p: Pipeline, vertex: str, data_dir: Path) -> str:
+def _sink_path(p: Pipeline, vertex: str, data_dir: Path) -> str | None:
+    """The Delta table of a sink; None for a PostgreSQL sink."""
+    if p.vertex(vertex).sink.delta is None:
+        return None
     path = Path(p.vertex(vertex).sink.delta.path)
     return str(path if path.is_absolute() else data_dir / path)
 
@@ -212,9 +217,12 @@ async def _read_state(nc, settings: NatsSettings, p: Pipeline, plan: RecoveryPla
     return _LedgerState(await ledger.read(nc, p.name), dead, streams)
 
 
-def _low_offsets(plan: RecoveryPlan, state: _LedgerState, paths: dict[str, str]) -> None:
-    """recover's phase 4 arithmetic: per source partition, the low offset and what the source lost."""
-    held = {v: ledger.union(state.kv.get(v, {}), ledger.from_delta_history(paths[v])) for v in plan.id_sinks}
+def _low_offsets(plan: RecoveryPlan, state: _LedgerState, paths: dict[str, str | None],
+                 pg_held: dict[str, ledger.PartitionRanges]) -> None:
+    """recover's phase 4 arithmetic: per source partition, the low offset and what the source lost
+    (``pg_held``: a PostgreSQL sink's bookkeeping offsets, where a Delta sink has its history)."""
+    held = {v: ledger.union(state.kv.get(v, {}), pg_held[v] if v in pg_held else ledger.from_delta_history(paths[v]))
+            for v in plan.id_sinks}
     first = {part: f for part, (_, f, _) in state.streams.items()}
     lows = ledger.low_offsets(held, list(state.streams), dead=state.dead, first=first)
     from_one = ledger.low_offsets(held, list(state.streams), dead=state.dead)

@@ -84,6 +84,7 @@ from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.ranges import intersect
 from isbflow.isb.read import stream_state
+from isbflow.recovery import pg_sinks
 from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
     SILENT_HEARTBEAT_S,
@@ -247,7 +248,8 @@ class _Recovery:
         self.sink_vertices: list[str] = []
         self.id_sinks: list[str] = []
         self.other_sinks: dict[str, list[str]] = {}  # aggregate sink -> its dimension columns
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] = {}  # Delta sinks' tables
+        self.pg: dict[str, Any] = {}  # PostgreSQL sinks' targets (isbflow.recovery.pg_sinks)
         self.starting: dict[str, dict] = {}
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
@@ -328,7 +330,10 @@ class _Recovery:
             self.sink_vertices = [v for v in self.order if p.vertex(v).sink is not None]
             for v in self.sink_vertices:
                 schema = runner0.input_schema(v)
-                self.paths[v] = runner0.sink_path(p.vertex(v))
+                if p.vertex(v).sink.postgres is not None:
+                    self.pg[v] = pg_sinks.target(p, v, data_dir)
+                else:
+                    self.paths[v] = runner0.sink_path(p.vertex(v))
                 if ledger.ID_COLUMN in schema.fieldNames():
                     self.id_sinks.append(v)
                 else:
@@ -336,7 +341,8 @@ class _Recovery:
         finally:
             runner0.close()
         kv_ledger = job.run(ledger.read(job.nc, p.name))
-        held = {v: ledger.union(kv_ledger.get(v, {}), ledger.from_delta_history(self.paths[v]))
+        held = {v: ledger.union(kv_ledger.get(v, {}), pg_sinks.held(self.pg[v]) if v in self.pg
+                                else ledger.from_delta_history(self.paths[v]))
                 for v in self.id_sinks}
         dead = self.dead_letters()
         for src in sorted(self.sources):
@@ -370,7 +376,8 @@ class _Recovery:
         ef = epoch_file(data_dir, p.name)
         ef.parent.mkdir(parents=True, exist_ok=True)
         ef.write_text(str(epoch))
-        self.before = {v: sink_version(self.paths[v]) for v in self.sink_vertices}
+        self.before = {v: pg_sinks.clock(self.pg[v]) if v in self.pg else sink_version(self.paths[v])
+                       for v in self.sink_vertices}
         job.phase("rewind", "done", t, low_offsets=self.report.low_offsets, moved_aside=moved, pruned=pruned,
                   epoch=epoch, id_sinks=self.id_sinks, merged_by_dimensions=self.other_sinks)
 
@@ -411,12 +418,15 @@ class _Recovery:
         t = time.monotonic()
         dead = self.dead_letters()  # the replay dead-letters again what a lost dead-letter buffer held
         for v in self.sink_vertices:
-            offered, inserted = _merge_stats(self.paths[v], self.before[v])
+            pg = self.pg.get(v)
+            offered, inserted = (pg_sinks.merge_stats(pg, self.before[v]) if pg
+                                 else _merge_stats(self.paths[v], self.before[v]))
             if v not in self.id_sinks:
-                self.report.sinks.append(SinkCheck(v, False, rows=count_rows(self.paths[v]),
-                                                   dropped=offered - inserted, inserted=inserted))
+                rows = pg_sinks.count_rows(pg) if pg else count_rows(self.paths[v])
+                self.report.sinks.append(SinkCheck(v, False, rows=rows, dropped=offered - inserted,
+                                                   inserted=inserted))
                 continue
-            ids, _ = read_ids(self.paths[v])
+            ids = pg_sinks.ids(pg) if pg else read_ids(self.paths[v])[0]
             check = SinkCheck(v, True, rows=len(ids), duplicates=len(ids) - pc.count_distinct(ids).as_py(),
                               dropped=offered - inserted, inserted=inserted)
             present = ledger.id_ranges(ids) if len(ids) else {}

@@ -3,6 +3,9 @@
 :mod:`isbflow.sinks.delta` is the Delta sink: a Spark stream writer whose tasks
 write Parquet and whose driver commits one Delta transaction per micro-batch,
 plus the driver-side helpers recovery and reprocess use.
+:mod:`isbflow.sinks.postgres` is the PostgreSQL sink: a ``foreachBatch`` function
+committing each micro-batch in one PostgreSQL transaction (read back by
+:mod:`isbflow.sinks.pg_read`).
 """
 
 from isbflow.sinks.delta import (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.spec.models import Pipeline, Vertex
 
@@ -34,8 +35,35 @@ def sink_vertex(pipeline: Pipeline, sink: str) -> Vertex:
 
 def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
     """The Delta table folder of sink vertex ``sink`` (relative paths live under the data dir)."""
-    path = Path(sink_vertex(pipeline, sink).sink.delta.path)
+    v = sink_vertex(pipeline, sink)
+    if v.sink.delta is None:
+        raise SinkTableError(f"sink {sink!r} of pipeline {pipeline.name!r} is a PostgreSQL table "
+                             f"({v.sink.postgres.table}), not a Delta table")
+    path = Path(v.sink.delta.path)
     return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
+
+
+def is_postgres(pipeline: Pipeline, sink: str) -> bool:
+    """Whether sink vertex ``sink`` writes a PostgreSQL table (not a Delta table)."""
+    return sink_vertex(pipeline, sink).sink.postgres is not None
+
+
+def read_postgres(spark, pipeline: Pipeline, sink: str, data_dir: str | Path):
+    """A PostgreSQL sink as :func:`read_version` gives a Delta one, read in one snapshot
+    (:func:`isbflow.sinks.pg_read.read_snapshot`): (DataFrame, number of commits, the newest
+    commit's ``isb.offsets``, a label naming the table, the offsets its commits hold)."""
+    from isbflow.sinks.pg_read import read_snapshot
+    from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget
+
+    v = sink_vertex(pipeline, sink)
+    target = PostgresTarget(sink=sink, spec=v.sink.postgres, app_id=f"{pipeline.name}/{sink}:read",
+                            data_dir=str(Path(data_dir).absolute()), pipeline=pipeline.name)
+    try:
+        snap = read_snapshot(target)
+    except PostgresSinkError as e:
+        raise SinkTableError(str(e)) from None
+    df = spark.createDataFrame(snap.rows)
+    return df, snap.batches, {ledger.OFFSETS_KEY: snap.last_offsets}, f"postgres:{v.sink.postgres.table}", snap.held
 
 
 def read_version(spark, path: str):

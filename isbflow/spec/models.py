@@ -64,6 +64,7 @@ from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
     TLSConfig,
 )
 from isbflow.spec.names import VERTEX_ROLES
+from isbflow.spec.postgres import PostgresSink
 from isbflow.spec.times import check_time_expression, parse_duration  # noqa: F401 - re-exported
 from isbflow.spec.transforms import declared_package_problem
 
@@ -177,8 +178,21 @@ class DeltaSink(SpecModel):
         return self
 
 
+SINK_KINDS = ("delta", "postgres")
+
+
 class Sink(SpecModel):
-    delta: DeltaSink
+    """Where a sink vertex lands its rows: a Delta table or a PostgreSQL table (exactly one)."""
+
+    delta: DeltaSink | None = None
+    postgres: PostgresSink | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Sink:
+        kinds = [k for k in SINK_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(one_of_message("a sink", SINK_KINDS, kinds))
+        return self
 
 
 class Reference(SpecModel):

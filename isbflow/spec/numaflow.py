@@ -125,18 +125,18 @@ FIELDS: dict[tuple[str, str], str] = {
     ("JetStreamSource", "deliverPolicy"): ("a new source step reads its stream from the start; a restart resumes "
                                            "from Spark's checkpoint"),
     ("JetStreamSource", "filterSubjects"): "one subject per source: source.jetstream.subject",
-    ("Sink", "log"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Sink", "blackhole"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Sink", "kafka"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Sink", "udsink"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Sink", "serve"): "isbflow serves no HTTP responses: its sinks are Delta tables (sink.delta)",
-    ("Sink", "pulsar"): "isbflow's sinks are Delta tables (sink.delta)",
-    ("Sink", "sqs"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "log"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "blackhole"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "kafka"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "udsink"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "serve"): "isbflow serves no HTTP responses: its sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "pulsar"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
+    ("Sink", "sqs"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
     ("Sink", "fallback"): ("records a step cannot write go to the pipeline's dead-letter stream "
                            "(counted by 'isbflow pipeline status')"),
     ("Sink", "retryStrategy"): ("a failed micro-batch is retried by the step's restart policy; the Delta commit is "
                                 "idempotent per batch"),
-    ("Sink", "onSuccess"): "isbflow's sinks are Delta tables (sink.delta)",
+    ("Sink", "onSuccess"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
     ("Edge", "onFull"): "set onFull on the writing vertex (vertices[].onFull): it applies to all its out edges",
     ("Edge", "limits"): ("set limits on the reading vertex (vertices[].limits.bufferMaxLength, "
                          "bufferUsageLimit): they apply to its input buffers"),

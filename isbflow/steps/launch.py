@@ -25,7 +25,7 @@ beside it would corrupt the checkpoints; stop it first (:func:`stop_launch`).
 environment only (``NATS_URL`` without credentials, ``NATS_USER`` /
 ``NATS_PASSWORD``, ``NATS_TOKEN``, ``NATS_CREDS``, ``NATS_TLS_*``; see
 :func:`settings_env`), never its command line or the log. The caller's
-``AIRFLOW*`` variables are not passed on (they may hold connection URIs).
+``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (``pg_sink``).
 
 **Seam for clusters.** :func:`driver_command` builds the command for a
 client-mode driver on this machine (``local[N]`` or a standalone master: Spark
@@ -52,7 +52,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -66,6 +65,7 @@ from isbflow.local.files import keep_newest, tail
 from isbflow.local.procs import process_alive, process_start
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
+from isbflow.steps.driver import LaunchError, driver_command, driver_env, settings_env  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,6 @@ DEFAULT_STARTUP_GRACE = 300.0
 #: driver logs kept per launch key (and per batch run name) under ``<data dir>/logs/``; older ones are removed
 LOGS_KEPT = 10
 LIVE_STATES = (Observed.STARTING, Observed.RUNNING, Observed.DRAINING)
-PROCESSING_TIME = re.compile(r"\d+(\.\d+)? ?(milliseconds?|ms|seconds?|s|minutes?)")  # a trigger interval
-
-
-class LaunchError(Exception):
-    """A pipeline could not be launched or run; the message says what, where and what to do."""
 
 
 class LaunchStalled(LaunchError):
@@ -161,77 +156,6 @@ def prune_logs(logs: Path, stem: str, keep: int | None = None) -> list[Path]:
     removed. A live launch's log is its key's newest, so it is always kept."""
     pattern = re.compile(rf"^{stem}\.log$")
     return keep_newest([p for p in logs.iterdir() if pattern.match(p.name)], LOGS_KEPT if keep is None else keep)
-
-
-# ---------------------------------------------------------------------------------- environment
-
-def settings_env(settings: NatsSettings) -> dict[str, str]:
-    """Environment variables that make :func:`isbflow.isb.connect.resolve_settings` find ``settings``.
-
-    Credentials go in their own variables; the URLs carry none.
-    """
-    s = settings.with_auth_from_urls()
-    env = {"NATS_URL": ",".join(s.servers)}
-    for name, value in (("NATS_USER", s.user), ("NATS_PASSWORD", s.password), ("NATS_TOKEN", s.token),
-                        ("NATS_CREDS", s.creds_file), ("NATS_TLS_CA", s.tls_ca),
-                        ("NATS_TLS_CERT", s.tls_cert), ("NATS_TLS_KEY", s.tls_key)):
-        if value:
-            env[name] = value
-    if s.tls_insecure:
-        env["NATS_TLS_INSECURE"] = "true"
-    return env
-
-
-def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path | None = None,
-               base: dict[str, str] | None = None) -> dict[str, str]:
-    """The driver's environment: ``base`` (default ``os.environ``) without Airflow's and NATS's
-    variables, plus the ISB settings, the data dir, Spark's Python and loopback binding."""
-    src = os.environ if base is None else base
-    env = {k: v for k, v in src.items() if not k.startswith(("AIRFLOW", "NATS_"))}
-    env.update(settings_env(settings))
-    env.update({
-        "ISBFLOW_HOME": str(Path(data_dir).absolute()),
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": env.get("SPARK_LOCAL_IP") or "127.0.0.1",
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
-        "PYTHONUNBUFFERED": "1",
-    })
-    if workdir is not None:  # user transforms (spark_apps/) import from there
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(workdir).absolute()),
-                                                        env.get("PYTHONPATH")) if p)
-    return env
-
-
-def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str = "continuous",
-                   master: str = "local[2]", pipeline: str | None = None,
-                   steps: Sequence[str] | None = None, json_out: bool = False,
-                   processing_time: str | None = None) -> list[str]:
-    """``isbflow pipeline run`` (or ``step run`` for one step) as a client-mode driver on this host.
-
-    A list of arguments, run without a shell; ``master`` (a DAG parameter) must not look like
-    an option or hold whitespace, so it cannot be taken for another argument. ``processing_time``:
-    the trigger interval, ``--processing-time`` (e.g. ``"200 milliseconds"``; default 1 second)."""
-    isbflow = Path(sys.executable).parent / "isbflow"
-    if not master or master.startswith("-") or any(c.isspace() or not c.isprintable() for c in master):
-        raise LaunchError(f"Spark master {master!r} is not a master URL (e.g. local[2], spark://host:7077)")
-    if processing_time is not None and not PROCESSING_TIME.fullmatch(processing_time):
-        raise LaunchError(f"processing time {processing_time!r} is not an interval such as '200 milliseconds'")
-    if steps and len(steps) > 1:
-        raise LaunchError(f"cannot launch steps {', '.join(steps)} together: launch the whole pipeline "
-                          "(steps=None) or one step at a time")
-    cmd = [str(isbflow) if isbflow.exists() else sys.executable]
-    if not isbflow.exists():
-        cmd += ["-c", "import sys; from isbflow.cli import main; sys.argv[0] = 'isbflow'; main()"]
-    cmd += (["step", "run", "--step", steps[0]] if steps else ["pipeline", "run"])
-    cmd += ["-f", str(Path(spec_file).absolute()), "--trigger", trigger, "--master", master,
-            "--data-dir", str(Path(data_dir).absolute())]
-    if pipeline:
-        cmd += ["--pipeline", pipeline]
-    cmd += ["--processing-time", processing_time] if processing_time is not None else []
-    if json_out:
-        cmd.append("--json")
-    return cmd
 
 
 # ---------------------------------------------------------------------------------- launching
@@ -344,7 +268,7 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
         statuses = asyncio.run(read_statuses(settings, p.name, p.topological_order()))
     command = driver_command(spec_file, data_dir=data_dir, trigger="continuous", master=master,
                              pipeline=p.name, steps=steps, processing_time=processing_time)
-    env = driver_env(settings, data_dir, workdir, base={**os.environ, **(extra_env or {})})
+    env = driver_env(settings, data_dir, workdir, base={**os.environ, **(extra_env or {})}, pipeline=p)
     return launch(key, p.name, command, data_dir=data_dir, env=env,
                   spec=Path(spec_file).absolute(), master=master, steps=steps, workdir=workdir,
                   statuses=statuses, heartbeat_timeout=heartbeat_timeout, startup_grace=startup_grace)
@@ -480,7 +404,9 @@ def run_foreground(spec_file: str | Path, data_dir: str | Path, settings: NatsSe
     log_path.touch()
     prune_logs(logs, f"{re.escape(name)}-[0-9a-f]{{12}}")
     with open(log_path, "ab") as err:
-        proc = subprocess.Popen(command, env=driver_env(settings, data_dir, workdir), cwd=workdir,
+        specs = load_specs([Path(spec_file)])
+        p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
+        proc = subprocess.Popen(command, env=driver_env(settings, data_dir, workdir, pipeline=p), cwd=workdir,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                 start_new_session=True)
         try:

@@ -72,6 +72,7 @@ from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
 from isbflow.steps import routing
+from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
     RunningQuery,
     StepRun,
@@ -144,6 +145,8 @@ class PipelineRunner:
 
     def sink_path(self, v: Vertex) -> str:
         assert v.sink is not None
+        if v.sink.delta is None:
+            raise StepError(f"sink {v.name!r} is a PostgreSQL table ({v.sink.postgres.table}), not a Delta table")
         path = Path(v.sink.delta.path)
         return str(path if path.is_absolute() else self.data_dir / path)
 
@@ -338,6 +341,8 @@ class PipelineRunner:
         assert v.sink is not None
         mode, keys = self.sink_mode, self.merge_keys.get(v.name)
         upsert = self.upsert_keys(v.name)
+        if v.sink.postgres is not None:
+            return df.writeStream.foreachBatch(postgres_writer(self, v, df.columns, mode, keys, upsert))
         w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
              .option("appId", self.sink_app_id(v.name))
              .option("pipeline", self.p.name).option("sink", v.name)

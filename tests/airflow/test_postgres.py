@@ -1,12 +1,7 @@
 """Airflow's metadata DB on a real PostgreSQL 15, made by the test; the start -> drain cycle on it.
 
-The fixture ``postgres`` makes a throwaway cluster: ``initdb`` (password auth,
-scram-sha-256, a generated password in an owner-only file) in a temporary
-folder, then ``postgres`` listening on 127.0.0.1 on a free port only (its Unix
-socket in that folder), stopped by PID at teardown. ``initdb`` refuses to run as
-root, so under root both run as the unprivileged ``postgres`` user (``nobody``
-if there is none) through ``setpriv``; the cluster's folder is outside pytest's
-root-only temp tree so that user can reach it.
+The fixture ``postgres`` makes a throwaway cluster on 127.0.0.1, stopped by PID at
+teardown (:func:`tests.helpers.postgres.running_postgres` says how).
 
 ``airflow db migrate`` then builds Airflow's schema there
 (``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=postgresql+psycopg2://...``), and the
@@ -19,141 +14,29 @@ rows in PostgreSQL (not in some SQLite file).
 from __future__ import annotations
 
 import asyncio
-import os
-import pwd
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from isbflow.isb.server import free_port
 from isbflow.platform import airflow_env, nats_connection_json
 from isbflow.steps.launch import read_launch, read_statuses, stop_launch
 from tests.helpers.airflow_env import DAGS, ROOT, AirflowHome
+from tests.helpers.postgres import Postgres, running_postgres
 from tests.helpers.scale_env import SPEC, DemoRun
 
 pytestmark = pytest.mark.slow
-
-HOST = "127.0.0.1"
-DB, USER = "airflow", "airflow"
-
-
-@dataclass
-class Postgres:
-    folder: Path
-    port: int
-    password: str
-    pid: int
-
-    def url(self, driver: str = "postgresql+psycopg2") -> str:
-        return f"{driver}://{USER}:{self.password}@{HOST}:{self.port}/{DB}"
-
-    def query(self, sql: str) -> list[tuple]:
-        import psycopg2
-
-        with psycopg2.connect(host=HOST, port=self.port, user=USER, password=self.password, dbname=DB) as c:
-            with c.cursor() as cur:
-                cur.execute(sql)
-                return cur.fetchall()
-
-
-def _run_as() -> tuple[list[str], int | None, int | None]:
-    """How to run PostgreSQL's programs: as is, or (as root) through setpriv as an unprivileged user."""
-    if os.geteuid() != 0:
-        return [], None, None
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.fail("running as root and setpriv (util-linux) is missing: initdb refuses root")
-    for name in ("postgres", "nobody"):
-        try:
-            u = pwd.getpwnam(name)
-        except KeyError:
-            continue
-        return [setpriv, f"--reuid={u.pw_uid}", f"--regid={u.pw_gid}", "--clear-groups"], u.pw_uid, u.pw_gid
-    pytest.fail("running as root with neither a 'postgres' nor a 'nobody' user to run initdb as")
-
-
-def _binary(name: str) -> str:
-    found = shutil.which(name) or next((str(p) for p in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))),
-                                       None)
-    if found is None:
-        pytest.fail(f"PostgreSQL's {name} is not installed: scripts/ensure-postgres (run by make test) installs it")
-    return found
-
-
-def _wait_ready(pg: Postgres, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    import psycopg2
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"postgres exited with {proc.returncode}; log {log}:\n{log.read_text()[-2000:]}")
-        try:
-            psycopg2.connect(host=HOST, port=pg.port, user=USER, password=pg.password, dbname="postgres",
-                             connect_timeout=2).close()
-            return
-        except psycopg2.OperationalError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"postgres not accepting connections after {timeout:.0f}s; log {log}:\n"
-                                   f"{log.read_text()[-2000:]}") from None
-            time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Postgres]:
     """A PostgreSQL 15 cluster on 127.0.0.1:<free port> with database ``airflow``, owner ``airflow``."""
-    prefix, uid, gid = _run_as()
-    initdb, server = _binary("initdb"), _binary("postgres")
-    folder = Path(tempfile.mkdtemp(prefix="isbflow-pg-"))
-    proc = None
-    try:
-        data, pwfile, log = folder / "data", folder / "pwfile", folder / "postgres.log"
-        password = secrets.token_urlsafe(18)
-        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(password + "\n")
-        if uid is not None:
-            for p in (folder, pwfile):
-                os.chown(p, uid, gid)
-        os.chmod(folder, 0o700)
-        r = subprocess.run([*prefix, initdb, "-D", str(data), "-U", USER, f"--pwfile={pwfile}",
-                            "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, f"initdb failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-        pwfile.unlink()
-        port = free_port()
-        with open(log, "ab") as out:
-            proc = subprocess.Popen([*prefix, server, "-D", str(data), "-p", str(port), "-k", str(folder),
-                                     "-c", f"listen_addresses={HOST}", "-c", "max_connections=50",
-                                     "-c", "fsync=off"],  # a throwaway cluster: speed over durability
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        pg = Postgres(folder, port, password, proc.pid)
-        _wait_ready(pg, proc, log)
-        import psycopg2
-
-        c = psycopg2.connect(host=HOST, port=port, user=USER, password=password, dbname="postgres")
-        c.autocommit = True
-        c.cursor().execute(f"CREATE DATABASE {DB} OWNER {USER}")
-        c.close()
+    with running_postgres() as pg:
         yield pg
-    finally:
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGINT)  # PostgreSQL's fast shutdown
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

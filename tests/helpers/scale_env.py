@@ -3,7 +3,7 @@
 :class:`DemoRun` provisions ``tests/specs/standalone-logs.yaml`` (the demo's
 vertices and transforms, small buffers and batches) on a test's nats-server,
 loads the ``services`` reference table, produces deterministic events, and runs
-the real command with the environment :func:`isbflow.steps.launch.driver_env`
+the real command with the environment :func:`isbflow.steps.driver.driver_env`
 gives a launched driver (credentials in ``NATS_*`` variables, never on the
 command line). The subprocess has its own Spark driver (the test session's
 SparkSession is not involved).
@@ -24,7 +24,7 @@ from isbflow.isb.connect import NatsSettings
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.ops.produce import is_malformed, produce
 from isbflow.spec import load_specs
-from isbflow.steps.launch import driver_env
+from isbflow.steps.driver import driver_env
 from tests.conftest import ROOT
 
 SPEC = ROOT / "tests" / "specs" / "standalone-logs.yaml"

@@ -154,6 +154,16 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
      "vertices[1].partitions", ["must be an integer", "3.0"]),
     ("sink-absolute-path", lambda d: _vertex(d, "raw")["sink"]["delta"].update(path="/etc/isbflow"),
      "vertices[4].sink.delta", ["outside the data dir", "external: true"]),
+    ("sink-postgres-dsn-password", lambda d: _vertex(d, "raw").update(sink={"postgres": {
+        "table": "raw_events", "dsn": "postgresql://isb:s3cret@127.0.0.1:5432/logs"}}),
+     "vertices[4].sink.postgres.dsn", ["holds a password", "passwordFile", "Airflow connection"]),
+    ("sink-postgres-no-server", lambda d: _vertex(d, "raw").update(sink={"postgres": {"table": "raw_events"}}),
+     "vertices[4].sink.postgres", ["needs exactly one of: connection, dsn", "found none"]),
+    ("sink-postgres-bad-table", lambda d: _vertex(d, "raw").update(sink={"postgres": {
+        "table": "raw events", "connection": "pg"}}),
+     "vertices[4].sink.postgres.table", ["'table' or 'schema.table'"]),
+    ("sink-two-kinds", lambda d: _vertex(d, "raw")["sink"].update(postgres={"table": "t", "connection": "pg"}),
+     "vertices[4].sink", ["a sink needs exactly one of: delta, postgres", "'delta' and 'postgres'"]),
 ]
 
 
@@ -217,6 +227,10 @@ def test_each_rule_is_located(bad_files, case_id, path, words):
     assert p.line is not None and 1 <= p.line <= len(lines)
     if case_id not in ("missing-required", "no-role", "missing-kind"):
         assert leaf in lines[p.line - 1] or "- " in lines[p.line - 1]
+
+
+def test_a_refused_dsn_does_not_repeat_its_password(bad_files):
+    assert "s3cret" not in str(_problems(bad_files["sink-postgres-dsn-password"])[0])
 
 
 def test_field_error_and_edge_error_are_reported_together():

@@ -1,0 +1,447 @@
+"""PostgreSQL sink: one database transaction per micro-batch, at most once per (app id, batch id).
+
+A sink vertex with ``sink.postgres`` (:class:`isbflow.spec.postgres.PostgresSink`)
+is written with ``foreachBatch``: :class:`PostgresBatchWriter` runs on the
+driver once per micro-batch, brings the batch's rows to the driver as Arrow
+(``DataFrame.toArrow``) and commits them in **one transaction** that:
+
+1. takes a transaction-scoped advisory lock on the app id (one writer per app id
+   at a time, as Spark's checkpoint already demands);
+2. reads the bookkeeping table ``isb_sink_batches`` (in the target table's
+   schema, primary key ``(app_id, target, batch_id)``: the target table is in
+   the key so that pointing a sink at a new table does not skip its first
+   batches): if it records this app id and table at this batch id or later, the batch was committed before (Spark replays a batch
+   whose transaction landed but whose checkpoint commit did not) and the
+   transaction commits nothing;
+3. ``COPY``s the rows into a temporary staging table (``ON COMMIT DROP``, the
+   target's column types), then moves them into the target with one
+   ``INSERT ... SELECT``: ``ON CONFLICT (key) DO NOTHING`` (``append``, and
+   ``merge`` for recovery: a row whose key the table holds is not inserted again)
+   or ``DO UPDATE`` (``upsert``: the sink of a ``udf.output: update`` step, the
+   latest ``versionColumn`` per key);
+4. inserts the bookkeeping row ``(app_id, target, batch_id, sink, rows, written, offsets)``
+   (``rows`` the batch offered, ``written`` those inserted or updated: recovery's merge stats); the
+   offsets are the batch's source ranges (:func:`isbflow.isb.ledger.id_ranges`
+   of its ``_isb_id`` column), the table's own record of what it holds, like
+   the Delta sink's ``isb.offsets`` commit metadata.
+
+After the commit the offsets are added to the pipeline's offset ledger (KV),
+as the Delta sink does: a failure there is logged (the bookkeeping table still
+holds them), :class:`~isbflow.isb.errors.LedgerFull` fails the step.
+
+Rows carrying ``_isb_id`` are keyed on it (``PRIMARY KEY``): no id is ever in
+the table twice, whatever is replayed. The table, and the bookkeeping table,
+are created when missing: the target from the batch's schema (the step's
+output schema, :func:`pg_type` maps Spark's types), keyed as above.
+
+Passwords: the writer is built with the spec's connection settings only; the
+password is resolved on the driver when it connects (:func:`connect_kwargs`)
+from ``AIRFLOW_CONN_<ID>`` (an Airflow connection) or ``passwordFile`` /
+``passwordEnv`` (with a ``dsn``). It is never in Spark's options and is
+scrubbed from the errors raised here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pyarrow as pa
+
+from isbflow.isb import ledger
+from isbflow.isb.connect import settings_from_json
+from isbflow.isb.errors import LedgerFull
+from isbflow.spec.postgres import PostgresSink
+
+_log = logging.getLogger(__name__)
+
+BOOKKEEPING_TABLE = "isb_sink_batches"
+MODES = ("append", "merge", "upsert")
+
+
+class PostgresSinkError(Exception):
+    """The PostgreSQL sink could not connect or commit; the message names the sink and the server."""
+
+
+@dataclass(frozen=True)
+class PostgresTarget:
+    """Everything the driver needs to write one sink (no password: that is resolved on connect)."""
+
+    sink: str  # the sink vertex
+    spec: PostgresSink
+    app_id: str
+    mode: str = "append"
+    #: the conflict key: ``_isb_id`` by default, the update step's keys for ``upsert``
+    key: tuple[str, ...] = (ledger.ID_COLUMN,)
+    version_column: str | None = None
+    data_dir: str = "."
+    pipeline: str = ""
+    ledger_settings: str = ""  # NatsSettings JSON; empty: record no offsets in the ledger KV
+    environ: dict[str, str] | None = field(default=None, compare=False)  # tests; default os.environ
+
+    @property
+    def where(self) -> str:
+        how = f"connection {self.spec.connection!r}" if self.spec.connection else f"dsn {self.spec.dsn!r}"
+        return f"postgres sink {self.sink!r} (table {self.spec.table}, {how})"
+
+
+# ------------------------------------------------------------------ connection settings
+
+def connection_env(conn_id: str) -> str:
+    """The environment variable Airflow reads connection ``conn_id`` from: ``AIRFLOW_CONN_<ID>``."""
+    return "AIRFLOW_CONN_" + conn_id.upper().replace("-", "_").replace(".", "_")
+
+
+def airflow_connection(conn_id: str, environ: dict[str, str] | None = None) -> dict[str, object]:
+    """psycopg keyword arguments of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>``
+    (URI ``postgres://user:pass@host:port/db?sslmode=...`` or Airflow's JSON form)."""
+    env = os.environ if environ is None else environ
+    name = connection_env(conn_id)
+    value = env.get(name)
+    if not value:
+        raise PostgresSinkError(f"Airflow connection {conn_id!r} is not defined: set {name} (URI "
+                                "postgres://user:password@host:port/db, or Airflow's JSON form) in the "
+                                "environment the step runs in")
+    if value.lstrip().startswith("{"):
+        try:
+            c = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise PostgresSinkError(f"{name} is not valid JSON ({e.msg} at {e.pos})") from None
+        extra = c.get("extra") or {}
+        if isinstance(extra, str):
+            extra = json.loads(extra or "{}")
+        out = {"host": c.get("host"), "port": c.get("port"), "user": c.get("login"),
+               "password": c.get("password"), "dbname": c.get("schema")}
+    else:
+        parts = urlsplit(value)
+        if parts.scheme not in ("postgres", "postgresql"):
+            raise PostgresSinkError(f"{name}: connection type {parts.scheme!r} is not postgres")
+        extra = dict(parse_qsl(parts.query))
+        out = {"host": parts.hostname, "port": parts.port, "user": unquote(parts.username or "") or None,
+               "password": unquote(parts.password) if parts.password is not None else None,
+               "dbname": unquote(parts.path.lstrip("/")) or None}
+    out.update({k: v for k, v in extra.items() if k in ("sslmode", "sslrootcert", "connect_timeout",
+                                                         "application_name", "options")})
+    return {k: v for k, v in out.items() if v not in (None, "")}
+
+
+def connect_kwargs(target: PostgresTarget) -> dict[str, object]:
+    """The psycopg ``connect`` arguments of a sink, its password resolved here (driver only)."""
+    spec, env = target.spec, (os.environ if target.environ is None else target.environ)
+    if spec.connection:
+        kw = airflow_connection(spec.connection, env)
+    else:
+        kw = {"conninfo": spec.dsn}
+        if spec.passwordEnv:
+            if spec.passwordEnv not in env:
+                raise PostgresSinkError(f"{target.where}: passwordEnv {spec.passwordEnv} is not set")
+            kw["password"] = env[spec.passwordEnv]
+        elif spec.passwordFile:
+            path = Path(spec.passwordFile).expanduser()
+            path = path if path.is_absolute() else Path(target.data_dir) / path
+            try:
+                mode = path.stat().st_mode
+                if mode & 0o077:
+                    raise PostgresSinkError(f"{target.where}: passwordFile {path} is readable by others "
+                                            f"(mode {mode & 0o777:o}): chmod 600 it")
+                kw["password"] = (path.read_text().splitlines() or [""])[0]
+            except OSError as e:
+                raise PostgresSinkError(f"{target.where}: cannot read passwordFile {path}: "
+                                        f"{e.strerror}") from None
+    kw.setdefault("connect_timeout", 10)
+    kw["application_name"] = f"isbflow {target.app_id}"[:63]
+    return kw
+
+
+def connect(target: PostgresTarget):
+    """A psycopg connection to the sink's server; :class:`PostgresSinkError` naming the sink and its
+    connection (never the password) when that fails."""
+    import psycopg
+
+    kw = connect_kwargs(target)
+    try:
+        return psycopg.connect(**kw)
+    except psycopg.Error as e:
+        raise PostgresSinkError(f"{target.where}: cannot connect: {_scrub(str(e), kw)}") from None
+
+
+def _scrub(text: str, kw: dict) -> str:
+    password = kw.get("password")
+    return text.replace(str(password), "***") if password else text
+
+
+# ------------------------------------------------------------------ tables
+
+def _ident(name: str):
+    from psycopg import sql
+
+    return sql.Identifier(*name.split("."))
+
+
+def _schema_of(table: str) -> str | None:
+    return table.split(".")[0] if "." in table else None
+
+
+def bookkeeping_table(table: str) -> str:
+    """The bookkeeping table beside ``table`` (same schema)."""
+    schema = _schema_of(table)
+    return f"{schema}.{BOOKKEEPING_TABLE}" if schema else BOOKKEEPING_TABLE
+
+
+def pg_type(t: pa.DataType) -> str:
+    """The PostgreSQL column type of an Arrow type (Spark's types as ``toArrow`` gives them)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "text"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_int8(t) or pa.types.is_int16(t):
+        return "smallint"
+    if pa.types.is_int32(t):
+        return "integer"
+    if pa.types.is_int64(t):
+        return "bigint"
+    if pa.types.is_float32(t):
+        return "real"
+    if pa.types.is_float64(t):
+        return "double precision"
+    if pa.types.is_decimal(t):
+        return f"numeric({t.precision},{t.scale})"
+    if pa.types.is_date(t):
+        return "date"
+    if pa.types.is_timestamp(t):
+        return "timestamptz" if t.tz else "timestamp"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "bytea"
+    if pa.types.is_list(t) or pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_large_list(t):
+        return "jsonb"
+    raise PostgresSinkError(f"no PostgreSQL type for Arrow type {t}")
+
+
+def _column_type(target: PostgresTarget, f: pa.Field) -> str:
+    try:
+        return pg_type(f.type)
+    except PostgresSinkError as e:
+        raise PostgresSinkError(f"{target.where}: column {f.name!r}: {e}; cast it in the step's "
+                                "transform") from None
+
+
+def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
+    """Create the bookkeeping table and (from ``schema``) the target, each when missing."""
+    from psycopg import sql
+
+    book = bookkeeping_table(target.spec.table)
+    if _schema_of(target.spec.table):
+        cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(_schema_of(target.spec.table))))
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (app_id text NOT NULL, target text NOT NULL, "
+                        "batch_id bigint NOT NULL, sink text NOT NULL, rows bigint NOT NULL, "
+                        "written bigint NOT NULL, offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now(), "
+                        "PRIMARY KEY (app_id, target, batch_id))")
+                .format(_ident(book)))
+    columns = [f for f in schema if f.name != target.version_column]
+    key = [k for k in target.key if k in schema.names]
+    cols = [sql.SQL("{} {}").format(sql.Identifier(f.name), sql.SQL(_column_type(target, f))) for f in columns]
+    if key:
+        cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key))))
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(_ident(target.spec.table),
+                                                                    sql.SQL(", ").join(cols)))
+
+
+def table_columns(cur, table: str) -> list[str] | None:
+    """The columns of ``table`` in order; None when it does not exist."""
+    schema = _schema_of(table) or "public"
+    cur.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = %s "
+                "AND table_name = %s ORDER BY ordinal_position", (schema, table.split(".")[-1]))
+    names = [r[0] for r in cur.fetchall()]
+    return names or None
+
+
+# ------------------------------------------------------------------ one batch
+
+@dataclass(frozen=True)
+class PgBatchCommit:
+    """Outcome of one micro-batch: rows written (inserted or updated), or why nothing was."""
+
+    batch_id: int
+    rows: int
+    written: int
+    skipped_reason: str | None = None
+    offsets: dict = field(default_factory=dict)
+
+
+def _rows(table: pa.Table):
+    """Row tuples for COPY; nested values as JSON."""
+    from psycopg.types.json import Jsonb
+
+    cols = []
+    for f, col in zip(table.schema, table.columns, strict=True):
+        values = col.to_pylist()
+        if pg_type(f.type) == "jsonb":
+            values = [None if v is None else Jsonb(v) for v in values]
+        cols.append(values)
+    return zip(*cols, strict=True)
+
+
+def _flat(t: pa.DataType) -> bool:
+    """Types Arrow's CSV writer renders as PostgreSQL reads them."""
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+            or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
+            or pa.types.is_date(t) or pa.types.is_timestamp(t))
+
+
+def _copy(cur, stage, table: pa.Table) -> None:
+    """COPY ``table`` into the staging table: as CSV written by Arrow (vectorised) when every column
+    is flat, else row by row (nested values as JSON)."""
+    from psycopg import sql
+
+    names = sql.SQL(", ").join(map(sql.Identifier, table.schema.names))
+    if all(_flat(f.type) for f in table.schema):
+        import pyarrow.csv as pacsv
+
+        sink = pa.BufferOutputStream()
+        # nulls unquoted and empty, every string quoted: PostgreSQL's CSV tells NULL from ''
+        pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False, quoting_style="all_valid"))
+        with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(stage, names)) as cp:
+            cp.write(sink.getvalue().to_pybytes())
+        return
+    with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(stage, names)) as cp:
+        for row in _rows(table):
+            cp.write_row(row)
+
+
+def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=None) -> PgBatchCommit:
+    """Commit one micro-batch in one transaction, at most once per (app id, batch id) (module doc)."""
+    from psycopg import sql
+
+    if target.mode not in MODES:
+        raise PostgresSinkError(f"{target.where}: mode {target.mode!r} is not one of {', '.join(MODES)}")
+    offsets = ledger.id_ranges(batch.column(ledger.ID_COLUMN)) if ledger.ID_COLUMN in batch.schema.names else {}
+    if batch.num_rows == 0:
+        return PgBatchCommit(batch_id, 0, 0, "empty batch")
+    own = conn is None
+    conn = conn or connect(target)
+    try:
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (target.app_id,))
+            create_tables(cur, target, batch.schema)
+            book = _ident(bookkeeping_table(target.spec.table))
+            cur.execute(sql.SQL("SELECT max(batch_id) FROM {} WHERE app_id = %s AND target = %s").format(book),
+                        (target.app_id, target.spec.table))
+            done = cur.fetchone()[0]
+            if done is not None and done >= batch_id:
+                if done > batch_id:
+                    _log.warning("%s: the table already holds batch %d of app id %s, so batch %d is "
+                                 "skipped; if the step's checkpoint was reset, give the sink a new app "
+                                 "id or restore the checkpoint", target.where, done, target.app_id, batch_id)
+                return PgBatchCommit(batch_id, batch.num_rows, 0, f"table already holds batch {done}")
+            written = _write(cur, target, batch)
+            cur.execute(sql.SQL("INSERT INTO {} (app_id, target, batch_id, sink, rows, written, offsets) "
+                                "VALUES (%s, %s, %s, %s, %s, %s, %s)").format(book),
+                        (target.app_id, target.spec.table, batch_id, target.sink, batch.num_rows, written,
+                         ledger.to_metadata(offsets)))
+    except PostgresSinkError:
+        raise
+    except Exception as e:
+        import psycopg
+
+        if isinstance(e, psycopg.Error):
+            raise PostgresSinkError(f"{target.where}: batch {batch_id} not committed: "
+                                    f"{str(e).splitlines()[0]}") from e
+        raise
+    finally:
+        if own:
+            conn.close()
+    record_offsets(target, offsets)
+    return PgBatchCommit(batch_id, batch.num_rows, written, offsets=offsets)
+
+
+def _write(cur, target: PostgresTarget, batch: pa.Table) -> int:
+    """COPY the batch into a staging table, then one INSERT ... SELECT into the target."""
+    from psycopg import sql
+
+    have = table_columns(cur, target.spec.table) or []
+    names = [n for n in batch.schema.names if n != target.version_column]
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise PostgresSinkError(f"{target.where}: the batch's columns {missing} are not in the table "
+                                f"(it has {', '.join(have)}); add them or write to a new table")
+    cols = sql.SQL(", ").join(map(sql.Identifier, names))
+    stage = sql.Identifier("isb_stage")
+    cur.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA")
+                .format(stage, cols, _ident(target.spec.table)))
+    copied = list(names)
+    if target.version_column and target.version_column in batch.schema.names:
+        cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(stage, sql.Identifier(target.version_column)))
+        copied.append(target.version_column)
+    _copy(cur, stage, batch.select(copied))
+    source = sql.SQL("SELECT {} FROM {}").format(cols, stage)
+    key = [k for k in target.key if k in names]
+    if key and target.version_column in copied:  # the latest version of each key in the batch
+        keys = sql.SQL(", ").join(map(sql.Identifier, key))
+        source = sql.SQL("SELECT DISTINCT ON ({}) {} FROM {} ORDER BY {}, {} DESC").format(
+            keys, cols, stage, keys, sql.Identifier(target.version_column))
+    insert = sql.SQL("INSERT INTO {} ({}) {}").format(_ident(target.spec.table), cols, source)
+    if key:
+        keys = sql.SQL(", ").join(map(sql.Identifier, key))
+        rest = [n for n in names if n not in key]
+        if target.mode == "upsert" and rest:
+            sets = sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(n), sql.Identifier(n))
+                                      for n in rest)
+            insert += sql.SQL(" ON CONFLICT ({}) DO UPDATE SET {}").format(keys, sets)
+        else:
+            insert += sql.SQL(" ON CONFLICT ({}) DO NOTHING").format(keys)
+    cur.execute(insert)
+    return cur.rowcount
+
+
+def record_offsets(target: PostgresTarget, offsets: dict) -> None:
+    """Add the batch's source offsets to the ledger KV, after the commit (as the Delta sink does)."""
+    if not offsets or not target.ledger_settings:
+        return
+    try:
+        ledger.record_sync(settings_from_json(target.ledger_settings), target.pipeline, target.sink, offsets)
+    except LedgerFull:
+        raise
+    except Exception as e:  # noqa: BLE001 - the bookkeeping table still holds them; the ledger may lag
+        _log.warning("%s: recording offsets in the ledger failed (%s); %s still holds them",
+                     target.where, e, BOOKKEEPING_TABLE)
+
+
+def committed_offsets(target: PostgresTarget, conn=None) -> dict:
+    """The union of the offsets the bookkeeping table records for the sink's table (every app id)."""
+    from psycopg import sql
+
+    own = conn is None
+    conn = conn or connect(target)
+    try:
+        with conn.cursor() as cur:
+            if table_columns(cur, bookkeeping_table(target.spec.table)) is None:
+                return {}
+            cur.execute(sql.SQL("SELECT offsets FROM {} WHERE target = %s")
+                        .format(_ident(bookkeeping_table(target.spec.table))), (target.spec.table,))
+            return ledger.union(*(ledger.from_metadata(json.dumps(r[0])) for r in cur.fetchall()))
+    finally:
+        if own:
+            conn.close()
+
+
+class PostgresBatchWriter:
+    """The ``foreachBatch`` function of a PostgreSQL sink; runs on the driver once per micro-batch."""
+
+    def __init__(self, target: PostgresTarget):
+        self.target = target
+
+    def check(self, columns: Sequence[str]) -> None:
+        """At the step's start: the server answers and the key columns are in the stream."""
+        missing = [k for k in self.target.key if k not in columns] if self.target.mode == "upsert" else []
+        if missing:
+            raise PostgresSinkError(f"{self.target.where}: key columns {missing} are not in the stream's "
+                                    f"columns {list(columns)}")
+        connect(self.target).close()
+
+    def __call__(self, df, batch_id: int) -> None:
+        commit_batch(self.target, df.toArrow(), batch_id)

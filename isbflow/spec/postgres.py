@@ -1,0 +1,87 @@
+"""The ``sink.postgres`` model: a PostgreSQL table a sink writes (:mod:`isbflow.sinks.postgres`).
+
+Where the server is comes from exactly one of:
+
+- ``connection``: an Airflow connection id (conn type ``postgres``). The step's
+  driver reads it from ``AIRFLOW_CONN_<ID>`` (Airflow's own environment form, URI
+  or JSON), so the password lives where Airflow keeps it;
+- ``dsn``: a libpq connection string or ``postgresql://`` URI **without a
+  password**, plus ``passwordFile`` (an owner-only file) or ``passwordEnv`` (an
+  environment variable's name) when the server asks for one.
+
+No password is ever in the spec (a ``dsn`` holding one is refused) nor in
+Spark's options: the driver resolves it when it connects.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import field_validator, model_validator
+
+from isbflow.spec.fields import SpecModel, one_of_message
+
+#: ``table`` or ``schema.table``, plain identifiers (no quoting needed, none allowed)
+TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?\Z")
+CONNECTION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}\Z")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+WHERE = ("connection", "dsn")
+
+
+def dsn_has_password(dsn: str) -> bool:
+    """Whether a libpq keyword string or a ``postgres(ql)://`` URI carries a password."""
+    if dsn.startswith(("postgres://", "postgresql://")):
+        parts = urlsplit(dsn)
+        return parts.password is not None or "password" in parse_qs(parts.query)
+    return re.search(r"(^|\s)password\s*=", dsn) is not None
+
+
+class PostgresSink(SpecModel):
+    """A PostgreSQL table; created from the step's output schema when missing."""
+
+    table: str
+    connection: str | None = None
+    dsn: str | None = None
+    passwordFile: str | None = None
+    passwordEnv: str | None = None
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, v: str) -> str:
+        if not TABLE_RE.match(v):
+            raise ValueError(f"{v!r} must be 'table' or 'schema.table' (letters, digits, '_'; at most 63 each)")
+        return v
+
+    @field_validator("connection")
+    @classmethod
+    def _connection(cls, v: str | None) -> str | None:
+        if v is not None and not CONNECTION_RE.match(v):
+            raise ValueError(f"{v!r} is not an Airflow connection id (letters, digits, '_', '.', '-')")
+        return v
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, v: str | None) -> str | None:
+        if v is not None and dsn_has_password(v):
+            raise ValueError("holds a password: keep it out of the spec; use passwordFile or passwordEnv, "
+                             "or an Airflow connection (connection: <id>)")
+        return v
+
+    @field_validator("passwordEnv")
+    @classmethod
+    def _env(cls, v: str | None) -> str | None:
+        if v is not None and not ENV_RE.match(v):
+            raise ValueError(f"{v!r} is not an environment variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PostgresSink:
+        found = [k for k in WHERE if getattr(self, k) is not None]
+        if len(found) != 1:
+            raise ValueError(one_of_message("a postgres sink", WHERE, found))
+        if self.connection is not None and (self.passwordFile or self.passwordEnv):
+            raise ValueError("passwordFile/passwordEnv go with dsn; an Airflow connection holds its own password")
+        if self.passwordFile and self.passwordEnv:
+            raise ValueError("give passwordFile or passwordEnv, not both")
+        return self

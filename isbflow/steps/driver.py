@@ -1,0 +1,99 @@
+"""A detached driver's command line and environment: what ``isbflow pipeline run`` gets when a
+launch (:mod:`isbflow.steps.launch`) or a batch run starts it.
+
+:func:`driver_command` is the argument list (no shell; a master URL or a trigger interval that
+could be read as another argument is refused); :func:`driver_env` is the environment: no
+Airflow or NATS variable of the caller's passes, except the ``AIRFLOW_CONN_<ID>`` a pipeline's
+PostgreSQL sinks name; the ISB settings go in ``NATS_*`` variables (credentials never on the
+command line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from isbflow.isb.connect import NatsSettings
+from isbflow.spec.models import Pipeline
+from isbflow.steps.pg_sink import sink_connections
+
+PROCESSING_TIME = re.compile(r"\d+(\.\d+)? ?(milliseconds?|ms|seconds?|s|minutes?)")  # a trigger interval
+
+
+class LaunchError(Exception):
+    """A pipeline could not be launched or run; the message says what, where and what to do."""
+
+
+def settings_env(settings: NatsSettings) -> dict[str, str]:
+    """Environment variables that make :func:`isbflow.isb.connect.resolve_settings` find ``settings``.
+
+    Credentials go in their own variables; the URLs carry none.
+    """
+    s = settings.with_auth_from_urls()
+    env = {"NATS_URL": ",".join(s.servers)}
+    for name, value in (("NATS_USER", s.user), ("NATS_PASSWORD", s.password), ("NATS_TOKEN", s.token),
+                        ("NATS_CREDS", s.creds_file), ("NATS_TLS_CA", s.tls_ca),
+                        ("NATS_TLS_CERT", s.tls_cert), ("NATS_TLS_KEY", s.tls_key)):
+        if value:
+            env[name] = value
+    if s.tls_insecure:
+        env["NATS_TLS_INSECURE"] = "true"
+    return env
+
+
+def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path | None = None,
+               base: dict[str, str] | None = None, pipeline: Pipeline | None = None) -> dict[str, str]:
+    """The driver's environment: ``base`` (default ``os.environ``) without Airflow's and NATS's
+    variables, plus the ISB settings, the data dir, Spark's Python and loopback binding, and for
+    ``pipeline`` the ``AIRFLOW_CONN_<ID>`` its PostgreSQL sinks name (no other Airflow variable)."""
+    src = os.environ if base is None else base
+    env = {k: v for k, v in src.items() if not k.startswith(("AIRFLOW", "NATS_"))}
+    env.update(settings_env(settings))
+    env.update({
+        "ISBFLOW_HOME": str(Path(data_dir).absolute()),
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": env.get("SPARK_LOCAL_IP") or "127.0.0.1",
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if workdir is not None:  # user transforms (spark_apps/) import from there
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(workdir).absolute()),
+                                                        env.get("PYTHONPATH")) if p)
+    if pipeline is not None:
+        env.update(sink_connections(pipeline, src))
+    return env
+
+
+def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str = "continuous",
+                   master: str = "local[2]", pipeline: str | None = None,
+                   steps: Sequence[str] | None = None, json_out: bool = False,
+                   processing_time: str | None = None) -> list[str]:
+    """``isbflow pipeline run`` (or ``step run`` for one step) as a client-mode driver on this host.
+
+    A list of arguments, run without a shell; ``master`` (a DAG parameter) must not look like
+    an option or hold whitespace, so it cannot be taken for another argument. ``processing_time``:
+    the trigger interval, ``--processing-time`` (e.g. ``"200 milliseconds"``; default the spec's readTimeout)."""
+    isbflow = Path(sys.executable).parent / "isbflow"
+    if not master or master.startswith("-") or any(c.isspace() or not c.isprintable() for c in master):
+        raise LaunchError(f"Spark master {master!r} is not a master URL (e.g. local[2], spark://host:7077)")
+    if processing_time is not None and not PROCESSING_TIME.fullmatch(processing_time):
+        raise LaunchError(f"processing time {processing_time!r} is not an interval such as '200 milliseconds'")
+    if steps and len(steps) > 1:
+        raise LaunchError(f"cannot launch steps {', '.join(steps)} together: launch the whole pipeline "
+                          "(steps=None) or one step at a time")
+    cmd = [str(isbflow) if isbflow.exists() else sys.executable]
+    if not isbflow.exists():
+        cmd += ["-c", "import sys; from isbflow.cli import main; sys.argv[0] = 'isbflow'; main()"]
+    cmd += (["step", "run", "--step", steps[0]] if steps else ["pipeline", "run"])
+    cmd += ["-f", str(Path(spec_file).absolute()), "--trigger", trigger, "--master", master,
+            "--data-dir", str(Path(data_dir).absolute())]
+    if pipeline:
+        cmd += ["--pipeline", pipeline]
+    cmd += ["--processing-time", processing_time] if processing_time is not None else []
+    if json_out:
+        cmd.append("--json")
+    return cmd

@@ -1,0 +1,60 @@
+"""The ``foreachBatch`` writer of a sink vertex with ``sink.postgres`` (:mod:`isbflow.sinks.postgres`).
+
+The same modes as the Delta sink's: ``append`` (keyed on ``_isb_id``: a row whose
+id the table holds is not inserted again), ``merge`` during recovery (the same,
+on the runner's ``merge_keys`` for a sink without ``_isb_id``) and ``upsert``
+for the sink of a ``udf.output: update`` step (its keys, the latest version per
+key and batch). The app id is the runner's (pipeline, vertex, checkpoint epoch),
+so a fresh checkpoint after a recovery is not taken for batches already held.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from isbflow.isb.ledger import ID_COLUMN
+from isbflow.sinks.postgres import (
+    PostgresBatchWriter,
+    PostgresSinkError,
+    PostgresTarget,
+    connection_env,
+)
+from isbflow.spec.models import Vertex
+from isbflow.steps.restart import StepError
+from isbflow.steps.update import VERSION_COLUMN
+
+
+def postgres_target(runner, v: Vertex, mode: str, keys: Sequence[str] | None,
+                    upsert: Sequence[str] | None) -> PostgresTarget:
+    """The driver-side settings of sink ``v`` (never a password: resolved when it connects)."""
+    assert v.sink is not None and v.sink.postgres is not None
+    if upsert:
+        mode = "merge" if mode == "merge" else "upsert"
+        keys = keys or upsert
+    return PostgresTarget(sink=v.name, spec=v.sink.postgres, app_id=runner.sink_app_id(v.name), mode=mode,
+                          key=tuple(keys or (ID_COLUMN,)), version_column=VERSION_COLUMN if upsert else None,
+                          data_dir=str(runner.data_dir), pipeline=runner.p.name,
+                          ledger_settings=runner.settings_json)
+
+
+def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: Sequence[str] | None,
+                    upsert: Sequence[str] | None) -> PostgresBatchWriter:
+    """The sink's ``foreachBatch`` function; checks now that the server answers (a clear
+    :class:`StepError` naming the sink and its connection, never the password)."""
+    writer = PostgresBatchWriter(postgres_target(runner, v, mode, keys, upsert))
+    try:
+        writer.check(columns)
+    except PostgresSinkError as e:
+        raise StepError(f"step {v.name!r}: {e}") from None
+    return writer
+
+
+def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``AIRFLOW_CONN_<ID>`` variables (from ``base``, default ``os.environ``) of the Airflow
+    connections pipeline ``p``'s PostgreSQL sinks name, and only those: a launched driver's
+    environment (:func:`isbflow.steps.driver.driver_env`) has no other Airflow variable."""
+    src = os.environ if base is None else base
+    names = [connection_env(v.sink.postgres.connection) for v in p.spec.vertices
+             if v.sink is not None and v.sink.postgres is not None and v.sink.postgres.connection]
+    return {n: src[n] for n in names if n in src}
