@@ -34,7 +34,12 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # seconds, where the C2 compiler costs more than it returns. C1 only and the serial collector cut
 # a short Spark job from 21.5-24.3 to 14.5-15.1 CPU-seconds (/tmp probe: session, an aggregation,
 # a Python UDF). Tests only: `make run` and the benchmarks keep the JVM's defaults.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# Each of those JVMs also maps Spark's classes from one class-data-sharing archive written once by a
+# warm-up JVM (tests/helpers/jvm_cds.py: a short Spark job's JVM 9.3-9.5 -> 5.0-5.4 CPU-seconds).
+if "SPARK_SUBMIT_OPTS" not in os.environ:
+    from tests.helpers.jvm_cds import with_archive
+
+    os.environ["SPARK_SUBMIT_OPTS"] = with_archive("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 class NatsFixture:
