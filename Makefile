@@ -4,6 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 UV := $(shell command -v uv 2>/dev/null || echo "$(PYTHON) -m uv")
 VENV := .venv
+# make test: two pytest workers on the 2 cores (tests/conftest.py groups the units; 0 runs serially)
+TEST_WORKERS ?= 2
 export PYSPARK_PYTHON := $(CURDIR)/$(VENV)/bin/python
 export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(VENV)/bin/python
 export SPARK_LOCAL_IP := 127.0.0.1
@@ -27,7 +29,7 @@ test: venv
 	@scripts/ensure-chromium
 	@scripts/ensure-postgres
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff, and the layering contract in pyproject.toml (an upward import fails naming both modules)
 lint: venv

@@ -111,3 +111,43 @@ def pytest_configure(config):
     from tests.helpers.cpu_recorder import register
 
     register(config)
+
+
+#: the e2e files that share one live platform (tests/e2e/conftest.py): one worker runs them in order
+_PLATFORM_FILES = ("tests/e2e/test_browser.py", "tests/e2e/test_platform.py")
+
+
+_GROUP = pytest.StashKey[str]()
+#: the longest units, longest first (wall seconds of a quiet serial run, 2026-11-24/25)
+_LONG = ("live-platform", "airflow-home", "tests/recovery/test_faults.py", "tests/e2e/test_bench_soak.py",
+         "tests/recovery/test_recover.py", "tests/e2e/test_bench_quick.py", "tests/recovery/test_reprocess.py",
+         "tests/recovery/test_shadow.py", "tests/steps/test_runner.py", "tests/steps/test_postgres_pipeline.py",
+         "tests/airflow/test_postgres.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Units of work for ``pytest -n 2 --dist loadgroup`` (what ``make test`` runs).
+
+    A file is one unit (its module fixtures, a PostgreSQL server or a Spark pipeline, start once);
+    every file that uses the migrated Airflow home is in one unit (one DB migration, one DAG-runner process);
+    the two files of the shared live platform are one unit, run in order. Without xdist the
+    marks do nothing.
+    """
+    def path(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    airflow_files = {path(i) for i in items
+                     if {"airflow_home", "migrated_airflow_db"} & set(getattr(i, "fixturenames", ()))}
+    for item in items:
+        group = path(item)
+        if group in _PLATFORM_FILES:
+            group = "live-platform"
+        elif group in airflow_files:
+            group = "airflow-home"
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    # xdist hands out units in the order they first appear: the longest first, so that neither
+    # worker is left with a long unit at the end (stable: each unit keeps its tests' order)
+    first = {g: i for i, g in reversed(list(enumerate(item.stash[_GROUP] for item in items)))}
+    items.sort(key=lambda it: (_LONG.index(it.stash[_GROUP]) if it.stash[_GROUP] in _LONG else len(_LONG),
+                               first[it.stash[_GROUP]]))
