@@ -1,6 +1,7 @@
 """Opt-in per-test cost recorder: where the suite's CPU goes.
 
-Enabled by ``ISBFLOW_TEST_CPU=<file.tsv>`` (tests/conftest.py registers it then; off otherwise).
+Enabled by ``ISBFLOW_TEST_CPU=<file.tsv>`` (tests/conftest.py registers it then; off otherwise;
+under pytest-xdist each worker writes its own ``<file>.<worker>.tsv``).
 For every test phase (setup, call, teardown) one row: the wall seconds, the pytest process's own
 CPU seconds, the CPU seconds of its reaped children (``os.times``), the CPU seconds of every
 process of the test's process tree seen while it ran (a sampler thread, every 0.5 s: the pytest
@@ -185,5 +186,10 @@ class Recorder:
 def register(config) -> None:
     """Called from tests/conftest.py: registers the recorder when ``ISBFLOW_TEST_CPU`` names a file."""
     path = os.environ.get(ENV)
-    if path:
-        config.pluginmanager.register(Recorder(Path(path)), "isbflow-cpu-recorder")
+    if not path or getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # off, or the xdist controller (its workers record, each to its own file)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # <file>.gw0.tsv, <file>.gw1.tsv: one per pytest-xdist worker
+        p = Path(path)
+        path = str(p.with_name(f"{p.stem}.{worker}{p.suffix}"))
+    config.pluginmanager.register(Recorder(Path(path)), "isbflow-cpu-recorder")
