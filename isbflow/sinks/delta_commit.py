@@ -107,6 +107,7 @@ from isbflow.sinks.delta_files import (
     remove_file,
     write_batch_files,
 )
+from isbflow.sinks.delta_log import TABLE_CONFIGURATION
 from isbflow.sinks.delta_merge import (
     check_schema,
     latest_per_key,
@@ -245,6 +246,7 @@ def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: 
             actions,
             mode="append",
             partition_by=list(options.partition_by) or None,
+            configuration=TABLE_CONFIGURATION,  # only sink maintenance removes log files: it folds first
             commit_properties=props,
         )
         return
@@ -292,7 +294,7 @@ def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, of
         return False
     if sum(ledger.count(r) for r in offsets.values()) != rows:  # ids that are no offsets, or repeated
         return False
-    held = ledger.union(*(ledger.from_metadata(h.get(ledger.OFFSETS_KEY)) for h in table.history()))
+    held = ledger.history_offsets(table.history())
     return not any(ledger.overlaps(ranges, held.get(part) or []) for part, ranges in offsets.items())
 
 

@@ -106,3 +106,67 @@ def test_vacuum_retention_has_a_floor_and_dry_run_changes_nothing(tmp_path):
     assert done.version_after > done.version_before
     assert len(data_files(path)) == 7  # the compacted-away files are kept for readers
     assert maintain_table(str(tmp_path / "none")).skipped
+
+
+def _answers(path: str) -> tuple:
+    """What every reader of the history says: the ledger rebuilt from the table, the quality basis at
+    the current version, and verify's proof (less what maintenance itself changes: versions, commits)."""
+    proof = verify_table(path).to_json()
+    for k in ("version", "commits"):
+        proof.pop(k)
+    return ledger.from_delta_history(path), ledger.delta_history_until(path, DeltaTable(path).version()), proof
+
+
+def _log(path: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(path, "_delta_log")))
+
+
+def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
+    from deltalake import CommitProperties, write_deltalake
+
+    from isbflow.sinks.delta_log import FOLD_CLAIMED_KEY, LogRetentionError, bound_log
+    from isbflow.sinks.delta_merge import replace_keys
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    for b in range(30):  # 9 of every 10 offsets: a hole (a dead letter, say) per batch
+        commit(opts, b, b * 10 + 1, 9)
+    # a reprocess of 51..60 whose new code drops 55, and a commit made outside isbflow
+    old = ids(51, 9).select(["_isb_id"])
+    new = ids(51, 9).filter(pa.compute.not_equal(ids(51, 9).column("v"), 55))
+    replace_keys(path, new, old,
+                 metadata={ledger.OFFSETS_KEY: ledger.to_metadata({"in/0": [[51, 59]]})})
+    write_deltalake(path, ids(1000, 3), mode="append", commit_properties=CommitProperties(custom_metadata={}))
+    before = _answers(path)
+    assert before[0]["in/0"][:2] == [[1, 9], [11, 19]] and [51, 59] in before[0]["in/0"]
+    assert before[2]["claimed"]["in/0"][5:7] == [[51, 54], [56, 59]]  # the reprocess' claim
+    assert [c["version"] for c in before[2]["foreign_commits"]] == [31] and not before[2]["ok"]
+    assert len(_log(path)) == 32  # versions 0..31
+    assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+    with pytest.raises(MaintenanceError, match="log retention 1 h is below the floor"):
+        maintain_table(path, log_retention_hours=1)
+    with pytest.raises(LogRetentionError):
+        bound_log(path, -1, force=True)
+    done = maintain_table(path, 0, force=True, log_retention_hours=0)  # explicit: remove every old entry
+    # left: the fold (33; 32 set the log properties) with its checkpoint, the compaction and the vacuum's two
+    assert done.log_files_before == 32 and done.log_files_after == len(_log(path)) == 6, _log(path)
+    assert done.folded_through == 32 and _log(path)[:2] == [f"{33:020d}.checkpoint.parquet", f"{33:020d}.json"]
+    assert _answers(path) == before  # the same answers from a log of a few files
+
+    for b in range(30, 40):  # the stream goes on; the next maintenance folds on top of the first fold
+        commit(opts, b, b * 10 + 1, 9)
+    expected = ledger.union(before[0], {"in/0": [[b * 10 + 1, b * 10 + 9] for b in range(30, 40)]})
+    assert ledger.from_delta_history(path) == expected
+    maintain_table(path, 0, force=True, log_retention_hours=0)
+    after = _answers(path)
+    assert after[0] == after[1] == expected
+    assert after[2]["claimed"] == ledger.union(before[2]["claimed"], {"in/0": expected["in/0"][-10:]})
+    assert after[2]["foreign_commits"] == before[2]["foreign_commits"]  # still named, though its entry is gone
+    assert len(_log(path)) == 6  # bounded: the same few files after each maintenance
+    fold = DeltaTable(path).history()[-1]  # the oldest commit left: the second fold, no files
+    assert fold["operation"] == "WRITE" and FOLD_CLAIMED_KEY in fold and fold["version"] == 47
+    assert commit(opts, 39, 391, 9).version is None  # a replayed batch is still recognised
+
+    with pytest.raises(ledger.LogTruncated, match="read a newer version"):
+        ledger.delta_history_until(path, done.version_before)  # a version whose history is gone: loud
