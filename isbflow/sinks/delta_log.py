@@ -15,10 +15,14 @@ compaction and the vacuum, :func:`trim_log` after them) therefore, at the
 table's version ``V``:
 
 1. sets ``delta.logRetentionDuration`` (the chosen retention) and
-   ``delta.enableExpiredLogCleanup = false``: delta-rs' own post-commit hook
-   would otherwise remove expired log files at every automatic checkpoint
-   (every 100 commits) with nothing folded; from then on only this function
-   removes log files, and it folds first;
+   ``delta.enableExpiredLogCleanup = false`` unless the table has them (the
+   stream creates its tables with the default's, :data:`TABLE_CONFIGURATION`):
+   delta-rs' own post-commit hook would otherwise remove expired log files at
+   every automatic checkpoint (every 100 commits) with nothing folded; from then
+   on only this function removes log files, and it folds first. A property
+   change is a metadata commit, which fails a concurrent append with "Metadata
+   changed"; the stream's commit then commits again on the new metadata
+   (:mod:`isbflow.sinks.delta_commit`);
 2. **folds** the history up to ``V`` into one commit with no files (operation
    ``WRITE``, ``isb.maintenance: fold``) whose metadata carries what every
    reader derives from those commits: ``isb.fold.through`` = ``V``,
@@ -64,8 +68,10 @@ MAINTENANCE_KEY = "isb.maintenance"
 FOLD_CLAIMED_KEY = "isb.fold.claimed"
 FOLD_FOREIGN_KEY = "isb.fold.foreign"
 FOLD_COMMITS_KEY = "isb.fold.commits"
-#: table properties of every sink table isbflow creates: only :func:`bound_log` removes log files
-TABLE_CONFIGURATION = {"delta.enableExpiredLogCleanup": "false"}
+#: table properties of the sink tables the stream creates: the default log retention, and only
+#: :func:`bound_log` removes log files (so maintenance at the default changes no table metadata)
+TABLE_CONFIGURATION = {"delta.logRetentionDuration": f"interval {DEFAULT_LOG_RETENTION_HOURS * 3600} seconds",
+                       "delta.enableExpiredLogCleanup": "false"}
 #: operations that rewrite files without changing the data
 MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 REPROCESS_OPERATION = "replace_keys"
@@ -230,7 +236,7 @@ def log_files(path: str | Path) -> int:
 
 def retention_properties(hours: float) -> dict[str, str]:
     """The table properties :func:`bound_log` sets for a log retention of ``hours``."""
-    return {"delta.logRetentionDuration": f"interval {round(hours * 3600)} seconds", **TABLE_CONFIGURATION}
+    return {**TABLE_CONFIGURATION, "delta.logRetentionDuration": f"interval {round(hours * 3600)} seconds"}
 
 
 def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *, force: bool = False) -> int:

@@ -170,3 +170,24 @@ def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
 
     with pytest.raises(ledger.LogTruncated, match="read a newer version"):
         ledger.delta_history_until(path, done.version_before)  # a version whose history is gone: loud
+
+
+def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
+    from isbflow.sinks import delta_commit
+    from isbflow.sinks.delta_log import TABLE_CONFIGURATION, retention_properties
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    commit(opts, 0, 1, 10)
+    assert DeltaTable(path).metadata().configuration == TABLE_CONFIGURATION  # the default's: nothing to change
+
+    def stale(p):  # the batch's commit reads the table, then maintenance sets another log retention
+        table = DeltaTable(p)
+        DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        return table
+
+    monkeypatch.setattr(delta_commit, "open_table", stale)
+    done = commit(opts, 1, 11, 10)
+    assert done.rows == 10 and done.version == 2  # 1: the properties; its first attempt failed, "Metadata changed"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 21))
+    assert DeltaTable(path).transaction_version(APP) == 1
