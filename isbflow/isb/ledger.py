@@ -117,11 +117,13 @@ class LogTruncated(LookupError):
     from the log and no fold stands for them (module docstring, "A bounded log")."""
 
 
-def newest_fold(history: Iterable[Mapping], version: int | None = None) -> tuple[Mapping | None, int]:
+def newest_fold(history: Iterable[Mapping], version: int | None = None,
+                strict: bool = True) -> tuple[Mapping | None, int]:
     """The commit of ``history`` whose fold (module docstring, "A bounded log") covers the most
     commits, all of them at or before ``version`` (any when None; the fold commit itself may be
     newer: it changes no data), and the last version it covers: ``(None, -1)`` when there is none.
-    Raises :class:`LogTruncated` when commits before the history's first are covered by no such fold."""
+    Raises :class:`LogTruncated` when commits before the history's first are covered by no such fold
+    (unless not ``strict``: sink maintenance folds what is left of a log cleaned outside it)."""
     history = list(history)
     best, through = None, -1
     for h in history:
@@ -129,7 +131,7 @@ def newest_fold(history: Iterable[Mapping], version: int | None = None) -> tuple
         if t is not None and through < int(t) and (version is None or int(t) <= version):
             best, through = h, int(t)
     first = min((int(h.get("version", 0)) for h in history), default=0)
-    if first > through + 1:
+    if strict and first > through + 1:
         raise LogTruncated(
             f"the Delta log starts at version {first} and no fold covers the versions before it"
             + (f" up to version {version}" if version is not None else "")
@@ -138,11 +140,13 @@ def newest_fold(history: Iterable[Mapping], version: int | None = None) -> tuple
     return best, through
 
 
-def history_offsets(history: Iterable[Mapping], version: int | None = None) -> PartitionRanges:
+def history_offsets(history: Iterable[Mapping], version: int | None = None,
+                    strict: bool = True) -> PartitionRanges:
     """The union of the ``isb.offsets`` of a Delta history's commits up to ``version`` (all when
-    None), through the newest fold that covers only such commits (module docstring)."""
+    None), through the newest fold that covers only such commits (module docstring; ``strict``:
+    :func:`newest_fold`'s)."""
     history = list(history)
-    fold, through = newest_fold(history, version)
+    fold, through = newest_fold(history, version, strict)
     last = version if version is not None else 1 << 62
     return union(from_metadata(fold.get(FOLD_OFFSETS_KEY)) if fold is not None else {},
                  *(from_metadata(h.get(OFFSETS_KEY)) for h in history if through < int(h.get("version", 0)) <= last))

@@ -52,6 +52,7 @@ Versions older than the retention can no longer be loaded or time-travelled to.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ from deltalake import CommitProperties, DeltaTable
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
+
+_log = logging.getLogger(__name__)
 
 #: the log retention used when none is given, and the lowest allowed without ``force`` (module docstring)
 DEFAULT_LOG_RETENTION_HOURS = 168
@@ -123,12 +126,13 @@ def intersection(a: PartitionRanges, b: PartitionRanges) -> PartitionRanges:
     return subtract(a, subtract(a, b))
 
 
-def replay_claims(root: Path, history: list[dict[str, Any]], version: int | None = None) -> Claims:
+def replay_claims(root: Path, history: list[dict[str, Any]], version: int | None = None,
+                  strict: bool = True) -> Claims:
     """The claim of the commits of ``history`` up to ``version`` (all when None), replayed oldest
     first from the newest fold that covers only such commits (module docstring; the rules are
     :mod:`isbflow.quality.verify`'s). Raises :class:`isbflow.isb.ledger.LogTruncated` when the
-    history no longer reaches back that far."""
-    fold, through = ledger.newest_fold(history, version)
+    history no longer reaches back that far (unless not ``strict``)."""
+    fold, through = ledger.newest_fold(history, version, strict)
     out = Claims()
     if fold is not None:
         out = Claims(ledger.from_metadata(fold.get(FOLD_CLAIMED_KEY)),
@@ -252,10 +256,14 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
         table = DeltaTable(path)
     version = table.version()
     history = table.history()
+    try:
+        ledger.newest_fold(history, version)
+    except ledger.LogTruncated as e:  # cleaned outside isbflow's maintenance: keep what is left
+        _log.warning("%s: %s; folding the commits the log still holds", path, e)
     has_ids = ID_COLUMN in [f.name for f in table.schema().fields]
-    claims = replay_claims(Path(path), history, version) if has_ids else Claims(commits=len(history))
+    claims = replay_claims(Path(path), history, version, strict=False) if has_ids else Claims(commits=len(history))
     fold = {MAINTENANCE_KEY: "fold", ledger.FOLD_THROUGH_KEY: str(version),
-            ledger.FOLD_OFFSETS_KEY: ledger.to_metadata(ledger.history_offsets(history, version)),
+            ledger.FOLD_OFFSETS_KEY: ledger.to_metadata(ledger.history_offsets(history, version, strict=False)),
             FOLD_CLAIMED_KEY: ledger.to_metadata(claims.claimed),
             FOLD_FOREIGN_KEY: json.dumps([c.to_json() for c in claims.foreign], separators=(",", ":")),
             FOLD_COMMITS_KEY: str(claims.commits)}

@@ -191,3 +191,24 @@ def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_m
     assert done.rows == 10 and done.version == 2  # 1: the properties; its first attempt failed, "Metadata changed"
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 21))
     assert DeltaTable(path).transaction_version(APP) == 1
+
+
+def test_a_log_cleaned_outside_maintenance_is_reported_and_then_folded_as_it_is(tmp_path):
+    from deltalake import CommitProperties, write_deltalake
+
+    from isbflow.quality.verify import VerifyError
+
+    path = str(tmp_path / "t")
+    for i in range(101):  # delta-rs' own clean-up at its checkpoint of version 100 (retention 0 s here)
+        write_deltalake(path, ids(i * 10 + 1, 10), mode="append",
+                        configuration={"delta.logRetentionDuration": "interval 0 seconds"},
+                        commit_properties=CommitProperties(custom_metadata={
+                            ledger.OFFSETS_KEY: ledger.to_metadata({"in/0": [[i * 10 + 1, i * 10 + 10]]})}))
+    assert len(_log(path)) < 10  # the offsets of versions 0..98 are gone with their entries
+    with pytest.raises(ledger.LogTruncated, match="no fold covers"):
+        ledger.from_delta_history(path)  # loud, not a partial answer
+    with pytest.raises(VerifyError, match="no fold covers"):
+        verify_table(path)
+    maintain_table(path, 0, force=True, log_retention_hours=0)  # folds what is left, from then on bounded
+    assert ledger.from_delta_history(path) == {"in/0": [[991, 1010]]}
+    assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
