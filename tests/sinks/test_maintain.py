@@ -212,3 +212,26 @@ def test_a_log_cleaned_outside_maintenance_is_reported_and_then_folded_as_it_is(
     maintain_table(path, 0, force=True, log_retention_hours=0)  # folds what is left, from then on bounded
     assert ledger.from_delta_history(path) == {"in/0": [[991, 1010]]}
     assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+
+def test_an_upsert_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
+    from isbflow.sinks import delta_merge
+    from isbflow.sinks.delta_log import retention_properties
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP, "mode": "upsert", "mergeKey": "_isb_id"})
+    commit(opts, 0, 1, 10)
+    calls = []
+
+    def stale(p):  # the merge reads the table, then maintenance sets another log retention (first call only)
+        table = DeltaTable(p)
+        if not calls:
+            DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        calls.append(p)
+        return table
+
+    monkeypatch.setattr(delta_merge, "open_table", stale)
+    done = commit(opts, 1, 6, 10)  # 6..10 updated, 11..15 inserted
+    assert done.rows == 10 and len(calls) >= 2  # read again after "Metadata changed"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 16))
+    assert DeltaTable(path).transaction_version(APP) == 1
