@@ -12,8 +12,9 @@ trigger interval ``--trigger`` (accelerated: more micro-batches per minute than 
 exercised) from the start; the measured run begins when every step has committed a first
 micro-batch, and producing stops when every step has committed ``--batches`` micro-batches or
 ``--max-minutes`` after that, whichever comes first. Every ``--maintain-every`` seconds the sinks are
-compacted and vacuumed (``isbflow sink maintain``, what the ``sink_maintenance`` DAG runs;
-retention ``--vacuum-hours``, accelerated to 0 h by default: no reader but this bench).
+compacted and vacuumed and their Delta logs bounded (``isbflow sink maintain``, what the
+``sink_maintenance`` DAG runs; retentions ``--vacuum-hours`` and ``--log-retention-hours``,
+accelerated to 0 h by default: no reader but this bench; the product's default and floor is 168 h).
 
 Every ``--sample-every`` seconds it records (all cumulative counters kept, so any span can be
 turned into a rate):
@@ -25,7 +26,7 @@ turned into a rate):
   summed over steps (the runner's ``isbflow_step_batch_duration_seconds`` histogram);
 - ``heartbeat_age_s``: the oldest step heartbeat (status bucket) at the sample;
 - ``files``: files under each checkpoint part (offsets, commits, state, other), each sink's
-  data and ``_delta_log``, the writers' stats, the logs and the nats store;
+  data and ``_delta_log`` (both in ``files_total``), the writers' stats, the logs and the nats store;
 - ``ledger_bytes``: bytes of every ledger KV value; ``rss_bytes`` / ``pss_bytes`` of the tree;
 - ``lag``: messages the source step is behind, ``logs_bytes``: the driver logs' size
   (informational, in ``info_slopes`` with each kind of file).
@@ -275,7 +276,7 @@ def run(args, result: dict) -> None:
                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                    "config": {k: getattr(args, k) for k in ("batches", "max_minutes", "wall_minutes", "rate", "trigger",
                                                             "malformed_every", "sample_every", "maintain_every",
-                                                            "vacuum_hours", "quick")}
+                                                            "vacuum_hours", "log_retention_hours", "quick")}
                    | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]", "flat_when": f"last/first <= {FLAT}"}})
     work = Path(tempfile.mkdtemp(prefix="isbflow-bench-soak-"))
     specs = load_specs(SPEC)
@@ -347,10 +348,12 @@ def run(args, result: dict) -> None:
                 raise RuntimeError(f"the producer failed: {producer.error!r}")
             if args.maintain_every and now - last_maint >= args.maintain_every:
                 last_maint = now
-                done = maintain_sinks(p, work, retention_hours=args.vacuum_hours, force=True)
+                done = maintain_sinks(p, work, retention_hours=args.vacuum_hours, force=True,
+                                      log_retention_hours=args.log_retention_hours)
                 maintenance.append({"t": round(time.time() - t0, 2), "seconds": round(time.time() - now, 2),
                                     **{k: v.to_json() for k, v in done.items()}})
-                log(f"maintained the sinks: {[(k, v.files_before, v.files_after) for k, v in done.items()]}")
+                log("maintained the sinks (data files, log files): "
+                    f"{[(k, v.files_before, v.files_after, v.log_files_before, v.log_files_after) for k, v in done.items()]}")
             if steady_at is None and now >= deadline:
                 raise RuntimeError(f"some step committed no batch in {STARTUP_S:.0f}s: {per_step}; see {record.log}")
             if min(per_step.values()) >= args.batches or now >= deadline:
@@ -375,6 +378,7 @@ def run(args, result: dict) -> None:
         result["info_slopes"] = {key: tenths(series, key, steady_at, t_end)
                                  for key in ["lag", "logs_bytes", *(f"files_{k}" for k in series[-1]["files"])]}
         result["files_final"] = series[-1]["files"]
+        result["delta_log_files_peak"] = {k: max(x["files"].get(f"sink_{k}_log", 0) for x in series) for k in sinks}
         log(f"produced {producer.published} events; draining")
         drained = ops.drain_and_wait(settings, p, work, timeout=900, exit_timeout=180)
         result["run"]["driver_exited"] = drained.driver_exited
@@ -442,6 +446,8 @@ def main() -> None:
     ap.add_argument("--maintain-every", type=float, help="seconds between sink maintenance runs (default 300; "
                                                          "quick 20; 0: never)")
     ap.add_argument("--vacuum-hours", type=int, default=0, help="vacuum retention (default 0: accelerated)")
+    ap.add_argument("--log-retention-hours", type=float, default=0.0,
+                    help="Delta log retention of the maintenance (default 0: accelerated)")
     ap.add_argument("--out", default=str(BENCH / "results" / "soak.json"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     args = ap.parse_args()

@@ -97,6 +97,19 @@ def test_spark_checkpoints_are_private_and_the_ui_cannot_kill(spark, tmp_path, o
     assert wider_than_owner(dd.root) == []
 
 
+def test_the_per_batch_falling_behind_warning_is_off_whatever_the_root_level(spark):
+    from isbflow.steps.session import TRIGGER_LOGGERS
+
+    jvm = spark.sparkContext._jvm
+    jvm.java.lang.Class.forName(TRIGGER_LOGGERS[0])  # the logger is named for Spark's real class
+    spark.sparkContext.setLogLevel("WARN")  # what a launched driver sets
+    try:
+        assert str(jvm.org.apache.logging.log4j.LogManager.getLogger(TRIGGER_LOGGERS[0]).getLevel()) == "ERROR"
+        assert str(jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel()) == "WARN"
+    finally:
+        spark.sparkContext.setLogLevel("ERROR")  # the suite's
+
+
 # ----------------------------------------------------------------------------- no command prints a password
 
 

@@ -29,6 +29,15 @@ transform that drops records). An entry that still does not fit in one NATS
 message raises :class:`isbflow.isb.errors.LedgerFull`, which fails the sink's
 step: a ledger must never silently stop advancing.
 
+**A bounded log.** Sink maintenance (:mod:`isbflow.sinks.delta_log`) removes old
+commits from a Delta sink's log. Before it does, it writes one commit with no
+files that carries the union of the ``isb.offsets`` of every commit up to version
+``isb.fold.through`` in ``isb.fold.offsets``. Readers of the history
+(:func:`history_offsets`) start from the newest such fold and add the commits
+after it, so they answer the same before and after the clean-up; a version whose
+commits were removed and that no fold covers raises :class:`LogTruncated`, never
+a partial answer.
+
 The KV is written after the Delta commit: a crash between the two leaves the
 ledger behind the table, never ahead of it, so recovery replays too much
 (which the sinks' merge on ``_isb_id`` absorbs), never too little.
@@ -69,6 +78,9 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
 
 ID_COLUMN = "_isb_id"
 OFFSETS_KEY = "isb.offsets"
+#: a fold commit's metadata: the last version it covers, and the union of those commits' ``isb.offsets``
+FOLD_THROUGH_KEY = "isb.fold.through"
+FOLD_OFFSETS_KEY = "isb.fold.offsets"
 #: an entry with more ranges than this has its dead-lettered gaps folded in (module docstring)
 FOLD_AT = 64
 #: bytes of a NATS message a KV put needs besides the value (subject, headers)
@@ -97,14 +109,47 @@ def from_metadata(text: str | None) -> PartitionRanges:
 
 def from_delta_history(path: str) -> PartitionRanges:
     """The ranges a Delta sink holds, rebuilt from its commits' ``isb.offsets`` (``{}`` without a table)."""
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
+    return delta_history_until(path, None)
 
-    try:
-        history = DeltaTable(path).history()
-    except TableNotFoundError:
-        return {}
-    return union(*(from_metadata(h.get(OFFSETS_KEY)) for h in history))
+
+class LogTruncated(LookupError):
+    """A Delta history that no longer reaches back to the version asked for: commits were removed
+    from the log and no fold stands for them (module docstring, "A bounded log")."""
+
+
+def newest_fold(history: Iterable[Mapping], version: int | None = None,
+                strict: bool = True) -> tuple[Mapping | None, int]:
+    """The commit of ``history`` whose fold (module docstring, "A bounded log") covers the most
+    commits, all of them at or before ``version`` (any when None; the fold commit itself may be
+    newer: it changes no data), and the last version it covers: ``(None, -1)`` when there is none.
+    Raises :class:`LogTruncated` when commits before the history's first are covered by no such fold
+    (unless not ``strict``: sink maintenance folds what is left of a log cleaned outside it)."""
+    history = list(history)
+    best, through = None, -1
+    for h in history:
+        t = h.get(FOLD_THROUGH_KEY)
+        if t is not None and through < int(t) and (version is None or int(t) <= version):
+            best, through = h, int(t)
+    first = min((int(h.get("version", 0)) for h in history), default=0)
+    if strict and first > through + 1:
+        raise LogTruncated(
+            f"the Delta log starts at version {first} and no fold covers the versions before it"
+            + (f" up to version {version}" if version is not None else "")
+            + ": they were removed (older than the log retention, or cleaned outside isbflow's maintenance); "
+            "read a newer version")
+    return best, through
+
+
+def history_offsets(history: Iterable[Mapping], version: int | None = None,
+                    strict: bool = True) -> PartitionRanges:
+    """The union of the ``isb.offsets`` of a Delta history's commits up to ``version`` (all when
+    None), through the newest fold that covers only such commits (module docstring; ``strict``:
+    :func:`newest_fold`'s)."""
+    history = list(history)
+    fold, through = newest_fold(history, version, strict)
+    last = version if version is not None else 1 << 62
+    return union(from_metadata(fold.get(FOLD_OFFSETS_KEY)) if fold is not None else {},
+                 *(from_metadata(h.get(OFFSETS_KEY)) for h in history if through < int(h.get("version", 0)) <= last))
 
 
 # ------------------------------------------------------------------ the KV bucket
@@ -273,7 +318,7 @@ def dead_letter_ranges(origins: Iterable[str | None]) -> PartitionRanges:
 
 
 def delta_history_until(path: str, version: int | None) -> PartitionRanges:
-    """:func:`from_delta_history` of the commits up to ``version`` (all when None)."""
+    """:func:`history_offsets` of the Delta table at ``path`` (``{}`` without a table)."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -281,8 +326,7 @@ def delta_history_until(path: str, version: int | None) -> PartitionRanges:
         history = DeltaTable(path).history()
     except TableNotFoundError:
         return {}
-    return union(*(from_metadata(h.get(OFFSETS_KEY)) for h in history
-                   if version is None or int(h.get("version", 0)) <= version))
+    return history_offsets(history, version)
 
 
 def sink_ranges(kv: Mapping[str, PartitionRanges], sink: str, path: str | None,

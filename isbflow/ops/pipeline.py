@@ -49,6 +49,7 @@ from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.steps.drain import DrainTimeout, drain_pipeline, resume_pipeline
+from isbflow.steps.driver import cap_own_log
 from isbflow.steps.launch import (
     LaunchError,
     LaunchRecord,
@@ -267,6 +268,7 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     from isbflow.steps.metrics import serve  # lazy: Spark
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
+    cap_own_log()  # a launched driver bounds its own log (isbflow.steps.driver)
     spark = spark_session(master, app_name=f"isbflow-{p.name}")
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, data_dir,

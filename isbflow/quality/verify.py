@@ -10,7 +10,10 @@ the history oldest first gives the **claimed** ranges per source partition:
 - a commit with ``isb.offsets`` (a micro-batch, a recovery merge) adds its ranges;
 - a reprocess commit (``isb.operation: replace_keys`` with ``isb.offsets``)
   replaces its range by the ids it wrote there (the new code may emit fewer);
-- table maintenance (``OPTIMIZE``, ``VACUUM``) changes no data;
+- table maintenance (``OPTIMIZE``, ``VACUUM``, the fold) changes no data;
+- a fold (:mod:`isbflow.sinks.delta_log`) stands for the commits it covers,
+  which maintenance may have removed from the log: the replay starts from the
+  newest fold's claim and foreign commits (:func:`isbflow.sinks.delta_log.replay_claims`);
 - any other commit was made **outside isbflow** (no ledger metadata): it fails
   the proof, named with its version and operation and the ranges it touched,
   from the ids of the files it added and removed: rows added, rows removed, and
@@ -27,39 +30,21 @@ the same (``quality run`` judges them against the live ledger).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
+from isbflow.sinks.delta_log import ForeignCommit, replay_claims, subtract
 
-#: operations that rewrite files without changing the data
-MAINTENANCE = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
-REPROCESS_OPERATION = "replace_keys"
+__all__ = ["ForeignCommit", "Verification", "VerifyError", "verify_table"]
+
 SAMPLE_RANGES = 5
 
 
 class VerifyError(Exception):
     """The table cannot be verified at all (none there, no ``_isb_id`` column)."""
-
-
-@dataclass
-class ForeignCommit:
-    """A commit without ledger metadata: made outside isbflow."""
-
-    version: int
-    operation: str
-    timestamp: int | None
-    #: per source partition: offsets of rows it added / removed / rewrote (None: its files are gone)
-    added: PartitionRanges | None = None
-    removed: PartitionRanges | None = None
-    rewritten: PartitionRanges | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "operation": self.operation, "timestamp": self.timestamp,
-                "added": self.added, "removed": self.removed, "rewritten": self.rewritten}
 
 
 @dataclass
@@ -125,62 +110,7 @@ def _describe(ranges: PartitionRanges) -> str:
     return "; ".join(parts)
 
 
-def _subtract(a: PartitionRanges, b: PartitionRanges) -> PartitionRanges:
-    out = {p: ledger.difference(r, b.get(p, [])) for p, r in a.items()}
-    return {p: r for p, r in out.items() if r}
-
-
-def _intersect(a: PartitionRanges, b: PartitionRanges) -> PartitionRanges:
-    return _subtract(a, _subtract(a, b))
-
-
 # ------------------------------------------------------------------ reading the table
-
-
-def _log_actions(path: Path, version: int) -> tuple[list[str], list[str]] | None:
-    """(files added, files removed) by commit ``version`` from its JSON log entry; None when gone."""
-    entry = path / "_delta_log" / f"{version:020d}.json"
-    if not entry.is_file():
-        return None
-    added, removed = [], []
-    for line in entry.read_text().splitlines():
-        try:
-            action = json.loads(line)
-        except ValueError:
-            continue
-        if "add" in action:
-            added.append(action["add"]["path"])
-        elif "remove" in action:
-            removed.append(action["remove"]["path"])
-    return added, removed
-
-
-def _file_ids(path: Path, files: list[str]):
-    """The ``_isb_id`` column of data files (pyarrow), or None when one of them is gone."""
-    from urllib.parse import unquote
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    arrays = []
-    for f in files:
-        p = path / unquote(f)
-        if not p.is_file():
-            return None
-        arrays.append(pq.read_table(p, columns=[ID_COLUMN]).column(ID_COLUMN).cast(pa.string()))
-    return pa.chunked_array([c for a in arrays for c in a.chunks], pa.string())
-
-
-def _touched(path: Path, version: int) -> tuple[PartitionRanges, PartitionRanges, PartitionRanges] | None:
-    """(offsets added, removed, rewritten) by commit ``version``; None when its log entry or files are gone."""
-    actions = _log_actions(path, version)
-    if actions is None:
-        return None
-    added_ids, removed_ids = _file_ids(path, actions[0]), _file_ids(path, actions[1])
-    if added_ids is None or removed_ids is None:
-        return None
-    added, removed = ledger.id_ranges(added_ids), ledger.id_ranges(removed_ids)
-    return _subtract(added, removed), _subtract(removed, added), _intersect(added, removed)
 
 
 def _current_ids(table):
@@ -210,26 +140,11 @@ def verify_table(path: str | Path) -> Verification:
     if ID_COLUMN not in names:
         raise VerifyError(f"{root}: the table has no {ID_COLUMN} column; there are no source offsets to prove")
     version = table.version()
-    history = sorted(table.history(), key=lambda h: int(h.get("version", 0)))
-    claimed: PartitionRanges = {}
-    foreign: list[ForeignCommit] = []
-    for h in history:
-        v = int(h.get("version", 0))
-        op = str(h.get("operation", ""))
-        if ledger.OFFSETS_KEY in h:
-            ranges = ledger.from_metadata(h.get(ledger.OFFSETS_KEY))
-            if h.get("isb.operation") == REPROCESS_OPERATION:
-                touched = _touched(root, v)
-                if touched is not None:  # the range now holds what the new code wrote there
-                    written = ledger.union(touched[0], touched[2])
-                    claimed = ledger.union(_subtract(claimed, ranges), _intersect(written, ranges))
-                    continue
-            claimed = ledger.union(claimed, ranges)
-        elif op in MAINTENANCE or any(k.startswith("isb.") for k in h):
-            continue  # no data change, or an isbflow commit that records no offsets (windows, upserts)
-        else:
-            touched = _touched(root, v)
-            foreign.append(ForeignCommit(v, op, h.get("timestamp"), *(touched or (None, None, None))))
+    try:
+        claims = replay_claims(root, table.history())
+    except ledger.LogTruncated as e:
+        raise VerifyError(f"{root}: {e}") from None
+    claimed, foreign = claims.claimed, claims.foreign
 
     ids = _current_ids(table)
     held = ledger.id_ranges(ids)
@@ -239,9 +154,9 @@ def verify_table(path: str | Path) -> Verification:
     repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     duplicated = ledger.id_ranges(repeated.field("values"))
     surplus = int(pc.sum(pc.subtract(repeated.field("counts"), 1)).as_py() or 0) if len(repeated) else 0
-    missing = _subtract(claimed, held)
-    unrecorded = _subtract(held, claimed)
+    missing = subtract(claimed, held)
+    unrecorded = subtract(held, claimed)
     touched_by_foreign = ledger.union(*(r for c in foreign for r in (c.added, c.removed) if r))
-    proven = _subtract(_subtract(_subtract(claimed, missing), duplicated), touched_by_foreign)
+    proven = subtract(subtract(subtract(claimed, missing), duplicated), touched_by_foreign)
     return Verification(str(root), version, len(ids), claimed, proven, missing, unrecorded, duplicated, surplus,
-                        malformed, foreign, len(history))
+                        malformed, foreign, claims.commits)

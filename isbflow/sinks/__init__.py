@@ -5,7 +5,9 @@ write Parquet and whose driver commits one Delta transaction per micro-batch,
 plus the driver-side helpers recovery and reprocess use.
 :mod:`isbflow.sinks.postgres` is the PostgreSQL sink: a ``foreachBatch`` function
 committing each micro-batch in one PostgreSQL transaction (read back by
-:mod:`isbflow.sinks.pg_read`).
+:mod:`isbflow.sinks.pg_read`). :mod:`isbflow.sinks.maintain` compacts and vacuums
+the Delta sinks on a schedule, and :mod:`isbflow.sinks.delta_log` bounds their
+commit logs while keeping what the offset proofs read from them.
 """
 
 from isbflow.sinks.delta import (

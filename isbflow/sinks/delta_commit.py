@@ -86,6 +86,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake import Schema as DeltaSchema
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, create_table_with_add_actions
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter
@@ -107,6 +108,7 @@ from isbflow.sinks.delta_files import (
     remove_file,
     write_batch_files,
 )
+from isbflow.sinks.delta_log import TABLE_CONFIGURATION
 from isbflow.sinks.delta_merge import (
     check_schema,
     latest_per_key,
@@ -116,6 +118,8 @@ from isbflow.sinks.delta_merge import (
 )
 
 _log = logging.getLogger(__name__)
+#: times a batch's append is committed again after a concurrent change of the table's metadata
+METADATA_RETRIES = 3
 
 
 def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int,
@@ -245,22 +249,42 @@ def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: 
             actions,
             mode="append",
             partition_by=list(options.partition_by) or None,
+            configuration=TABLE_CONFIGURATION,  # only sink maintenance removes log files: it folds first
             commit_properties=props,
         )
         return
-    check_schema(table, schema, where)
-    if list(table.metadata().partition_columns) != list(options.partition_by):
-        raise DeltaSchemaMismatch(
-            f"{where}: partitionBy {list(options.partition_by)} differs from the table's "
-            f"partition columns {table.metadata().partition_columns}; use the table's"
+    def append(table: DeltaTable) -> None:
+        check_schema(table, schema, where)
+        if list(table.metadata().partition_columns) != list(options.partition_by):
+            raise DeltaSchemaMismatch(
+                f"{where}: partitionBy {list(options.partition_by)} differs from the table's "
+                f"partition columns {table.metadata().partition_columns}; use the table's"
+            )
+        table.create_write_transaction(
+            actions,
+            mode="append",
+            schema=schema,
+            partition_by=list(options.partition_by) or None,
+            commit_properties=props,
         )
-    table.create_write_transaction(
-        actions,
-        mode="append",
-        schema=schema,
-        partition_by=list(options.partition_by) or None,
-        commit_properties=props,
-    )
+
+    first = [table]  # the table the replay check read, then a fresh read per attempt
+    _again_on_new_metadata(lambda: append(first.pop() if first else DeltaTable(options.path)), where)
+
+
+def _again_on_new_metadata(commit, where: str):
+    """``commit()``, called again (up to :data:`METADATA_RETRIES` times) when it failed because a
+    table property changed meanwhile (sink maintenance setting the log retention: a metadata
+    commit fails every concurrent commit with "Metadata changed"). A batch's append or merge does
+    not depend on the properties; each attempt reads the table again, schema checks included."""
+    for attempt in range(METADATA_RETRIES + 1):
+        try:
+            return commit()
+        except CommitFailedError as e:
+            if "Metadata changed" not in str(e) or attempt == METADATA_RETRIES:
+                raise
+            _log.info("%s: the table's metadata changed during the commit (%s); committing again", where, e)
+    raise AssertionError("unreachable")
 
 
 def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
@@ -272,14 +296,15 @@ def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: p
         batch, superseded = latest_per_key(batch, options.merge_key, options.version_column,
                                            where=where)
     if options.mode == "upsert":
-        up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id,
-                          version=batch_id, metadata=metadata, partition_by=options.partition_by)
+        up = _again_on_new_metadata(lambda: merge_upsert(
+            options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
+            metadata=metadata, partition_by=options.partition_by), where)
         written, version = up.updated + up.inserted, up.version
     else:
-        merged = merge_insert_missing(
+        merged = _again_on_new_metadata(lambda: merge_insert_missing(
             options.path, batch, key=options.merge_key, app_id=options.app_id,
             version=batch_id, metadata=metadata, partition_by=options.partition_by,
-        )
+        ), where)
         written, version = merged.inserted, merged.version
     dropped = superseded if options.mode == "upsert" else rows - written
     return BatchCommit(batch_id, version, 0, written, dropped=dropped)
@@ -292,7 +317,7 @@ def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, of
         return False
     if sum(ledger.count(r) for r in offsets.values()) != rows:  # ids that are no offsets, or repeated
         return False
-    held = ledger.union(*(ledger.from_metadata(h.get(ledger.OFFSETS_KEY)) for h in table.history()))
+    held = ledger.history_offsets(table.history())
     return not any(ledger.overlaps(ranges, held.get(part) or []) for part, ranges in offsets.items())
 
 

@@ -37,6 +37,7 @@ from isbflow.sinks.delta_files import (
     DeltaSinkError,
     delta_arrow_schema,
 )
+from isbflow.sinks.delta_log import TABLE_CONFIGURATION
 
 #: The merge source column of :func:`replace_keys` saying what a row is for (never written).
 REPLACE_OP_COLUMN = "__isb_replace_op"
@@ -205,7 +206,7 @@ def merge_insert_missing(
     props = _merge_props(delta, metadata, "merge_insert_missing", keys, app_id, version)
     if delta is None:
         write_deltalake(path, table, mode="append", commit_properties=props,
-                        partition_by=list(partition_by) or None)
+                        partition_by=list(partition_by) or None, configuration=TABLE_CONFIGURATION)
         return MergeResult(DeltaTable(path).version(), table.num_rows)
     check_schema(delta, table.schema, f"merge into {path}")
     metrics = (
@@ -253,7 +254,7 @@ def merge_upsert(
     table = table.cast(delta_arrow_schema(table.schema))
     if delta is None:
         write_deltalake(path, table, mode="append", commit_properties=props,
-                        partition_by=list(partition_by) or None)
+                        partition_by=list(partition_by) or None, configuration=TABLE_CONFIGURATION)
         return UpsertResult(DeltaTable(path).version(), 0, table.num_rows)
     names = [f.name for f in delta.schema().fields]
     if sorted(names) == sorted(table.column_names):

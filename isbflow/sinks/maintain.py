@@ -25,6 +25,12 @@ DAG):
    Only files the log removed are deleted (delta-rs' default "lite" vacuum):
    files a running stream's tasks have written but the driver has not committed
    yet are never touched, nor the sink's ``_isb_pending`` markers.
+3. **bound the log** (:mod:`isbflow.sinks.delta_log`): first of all, the history
+   is folded into one commit that keeps what the ledger, its quality basis and
+   ``quality verify`` read from it (before the vacuum, which may delete files
+   verify reads to judge a reprocess or a foreign commit); last, the log is
+   checkpointed and its files older than ``log_retention_hours`` (default and
+   floor 168 h, the vacuum's) are removed.
 
 **Beside a running stream.** Both commit through delta-rs' optimistic
 concurrency: a compaction that finds a newer version (the stream appended a
@@ -44,12 +50,21 @@ from typing import Any
 from deltalake import CommitProperties, DeltaTable
 
 from isbflow.sinks.delta_files import DeltaSinkError
+from isbflow.sinks.delta_log import (
+    DEFAULT_LOG_RETENTION_HOURS,
+    MAINTENANCE_KEY,
+    LogRetentionError,
+    check_log_retention,
+    fold_log,
+    log_files,
+    trim_log,
+)
 from isbflow.sinks.delta_merge import open_table
 
 #: the vacuum retention used when none is given, and the lowest allowed without ``force`` (module docstring)
 DEFAULT_RETENTION_HOURS = 168
-#: custom metadata of isbflow's compaction commits
-MAINTENANCE_KEY = "isb.maintenance"
+__all__ = ["DEFAULT_LOG_RETENTION_HOURS", "DEFAULT_RETENTION_HOURS", "MAINTENANCE_KEY", "MaintenanceError",
+           "TableMaintenance", "check_retention", "compact_table", "maintain_table", "vacuum_table"]
 
 
 class MaintenanceError(DeltaSinkError):
@@ -69,6 +84,10 @@ class TableMaintenance:
     compacted: dict[str, Any] = field(default_factory=dict)  # delta-rs' optimize metrics
     vacuumed: list[str] = field(default_factory=list)  # files deleted (or, dry run, that would be)
     retention_hours: int = DEFAULT_RETENTION_HOURS
+    log_retention_hours: float = DEFAULT_LOG_RETENTION_HOURS
+    log_files_before: int = 0  # files in _delta_log
+    log_files_after: int = 0
+    folded_through: int | None = None  # the last version the log's fold covers (None: not folded, dry run)
     skipped: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -77,8 +96,10 @@ class TableMaintenance:
         return d
 
 
-def check_retention(retention_hours: int, force: bool = False) -> int:
-    """``retention_hours`` when allowed: at least :data:`DEFAULT_RETENTION_HOURS`, or any >= 0 with ``force``."""
+def check_retention(retention_hours: int, force: bool = False,
+                    log_retention_hours: float = DEFAULT_LOG_RETENTION_HOURS) -> int:
+    """``retention_hours`` when allowed: at least :data:`DEFAULT_RETENTION_HOURS`, or any >= 0 with
+    ``force``; ``log_retention_hours`` likewise (:func:`isbflow.sinks.delta_log.check_log_retention`)."""
     if retention_hours < 0:
         raise MaintenanceError(f"retention must be >= 0 hours, got {retention_hours}")
     if retention_hours < DEFAULT_RETENTION_HOURS and not force:
@@ -86,6 +107,10 @@ def check_retention(retention_hours: int, force: bool = False) -> int:
             f"retention {retention_hours} h is below the floor of {DEFAULT_RETENTION_HOURS} h: readers on an "
             "older snapshot, time travel to versions quality reports cite, and 'quality verify' need removed "
             "files that long; pass --force to go below it anyway")
+    try:
+        check_log_retention(log_retention_hours, force)
+    except LogRetentionError as e:
+        raise MaintenanceError(str(e)) from None
     return retention_hours
 
 
@@ -108,22 +133,37 @@ def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: 
 
 
 def maintain_table(path: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *, dry_run: bool = False,
-                   force: bool = False, target_size: int | None = None) -> TableMaintenance:
-    """Compact, then vacuum, the Delta table at ``path`` (module docstring). ``dry_run`` changes
-    nothing and lists what vacuum would delete (compaction has no dry run: the files it would
-    rewrite are counted in ``files_before``)."""
-    check_retention(retention_hours, force)
+                   force: bool = False, target_size: int | None = None,
+                   log_retention_hours: float = DEFAULT_LOG_RETENTION_HOURS) -> TableMaintenance:
+    """Fold the log of, compact, vacuum, then trim the log of the Delta table at ``path`` (module docstring).
+    ``dry_run`` changes nothing and lists what vacuum would delete (compaction has no dry run: the
+    files it would rewrite are counted in ``files_before``; the log is counted, not folded)."""
+    check_retention(retention_hours, force, log_retention_hours)
     table = open_table(path)
     if table is None:
         return TableMaintenance(path, dry_run, None, retention_hours=retention_hours,
+                                log_retention_hours=log_retention_hours,
                                 skipped="no Delta table yet (the sink has committed nothing)")
     out = TableMaintenance(path, dry_run, table.version(), files_before=len(table.file_uris()),
-                           retention_hours=retention_hours)
+                           retention_hours=retention_hours, log_retention_hours=log_retention_hours,
+                           log_files_before=log_files(path))
     if not dry_run:
-        out.compacted = compact_table(table, target_size)
+        out.folded_through = _log_step(path, fold_log, path, log_retention_hours, force=force)
+        out.compacted = compact_table(DeltaTable(path), target_size)
         table = DeltaTable(path)
     out.vacuumed = vacuum_table(table, retention_hours, dry_run, force)
     if not dry_run:
+        _log_step(path, trim_log, path, out.folded_through)
         table = DeltaTable(path)
     out.version_after, out.files_after = table.version(), len(table.file_uris())
+    out.log_files_after = log_files(path)
     return out
+
+
+def _log_step(path: str, step, *args, **kwargs):
+    """A step of :mod:`isbflow.sinks.delta_log`, its failure worded as a :class:`MaintenanceError`."""
+    try:
+        return step(*args, **kwargs)
+    except Exception as e:  # delta-rs raises its own CommitFailedError / DeltaError kinds
+        raise MaintenanceError(f"bounding the log of {path} failed ({e}); a fold changes no data and a "
+                               "clean-up removes only folded entries: run it again") from e

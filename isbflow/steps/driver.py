@@ -6,6 +6,11 @@ could be read as another argument is refused); :func:`driver_env` is the environ
 Airflow or NATS variable of the caller's passes, except the ``AIRFLOW_CONN_<ID>`` a pipeline's
 PostgreSQL sinks name; the ISB settings go in ``NATS_*`` variables (credentials never on the
 command line).
+
+**The driver's log.** A launch writes the driver's stdout and stderr to one file, whose path
+it passes in ``ISBFLOW_DRIVER_LOG``; the driver runs :func:`cap_own_log`, a thread that rotates
+that file past :data:`isbflow.local.files.LOG_MAX_BYTES` (16 MiB) every few seconds, keeping one
+older part (``<log>.1``): a driver's log is at most ~32 MiB however long it runs.
 """
 
 from __future__ import annotations
@@ -13,13 +18,20 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from isbflow.isb.connect import NatsSettings
+from isbflow.local.files import LOG_MAX_BYTES, rotate_log
 from isbflow.spec.models import Pipeline
 from isbflow.steps.pg_sink import sink_connections
 
+#: the environment variable naming a launched driver's own log file (module docstring)
+LOG_ENV = "ISBFLOW_DRIVER_LOG"
+#: seconds between two size checks of a driver's log
+LOG_CHECK_S = 5.0
 PROCESSING_TIME = re.compile(r"\d+(\.\d+)? ?(milliseconds?|ms|seconds?|s|minutes?)")  # a trigger interval
 
 
@@ -97,3 +109,21 @@ def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str 
     if json_out:
         cmd.append("--json")
     return cmd
+
+
+def cap_own_log(max_bytes: int = LOG_MAX_BYTES, interval: float = LOG_CHECK_S) -> threading.Thread | None:
+    """In a launched driver: a daemon thread rotating the log named by ``ISBFLOW_DRIVER_LOG`` past
+    ``max_bytes`` (:func:`isbflow.local.files.rotate_log`) every ``interval`` seconds; None when the
+    variable is unset (a driver run by hand writes where its caller says)."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return None
+
+    def run() -> None:
+        while True:
+            rotate_log(path, max_bytes)
+            time.sleep(interval)
+
+    t = threading.Thread(target=run, name="isbflow-log-cap", daemon=True)
+    t.start()
+    return t

@@ -4,7 +4,8 @@ A continuous pipeline outlives whatever started it (an Airflow task, a shell),
 so :func:`launch_pipeline` starts ``isbflow pipeline run --trigger continuous``
 in a **new session** (no controlling terminal, its own process group), with
 stdout and stderr in ``<data dir>/logs/<key>-<launch id>.log`` (the newest
-:data:`LOGS_KEPT` per key are kept), and records
+:data:`LOGS_KEPT` per key are kept; each rotated by the driver past 16 MiB, keeping one older
+part ``.log.1``: :func:`isbflow.steps.driver.cap_own_log`), and records
 the launch in ``<data dir>/launches/<key>.json`` (``key`` = the pipeline name,
 or ``<pipeline>.<step>`` for a one-step launch)::
 
@@ -61,11 +62,17 @@ from typing import Any
 
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.state import Observed, StepStatus, all_status
-from isbflow.local.files import keep_newest, tail
+from isbflow.local.files import ROTATED_SUFFIX, keep_newest, tail
 from isbflow.local.procs import process_alive, process_start
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
-from isbflow.steps.driver import LaunchError, driver_command, driver_env, settings_env  # noqa: F401 - re-exported
+from isbflow.steps.driver import (  # noqa: F401 - re-exported
+    LOG_ENV,
+    LaunchError,
+    driver_command,
+    driver_env,
+    settings_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +159,13 @@ def _write_launch(data_dir: str | Path, record: LaunchRecord) -> None:
 
 def prune_logs(logs: Path, stem: str, keep: int | None = None) -> list[Path]:
     """Keep the newest ``keep`` (default :data:`LOGS_KEPT`) logs under ``logs`` whose name is
-    ``<stem>.log`` (``stem`` a regular expression: one launch key's, or one batch run's); the
-    removed. A live launch's log is its key's newest, so it is always kept."""
+    ``<stem>.log`` (``stem`` a regular expression: one launch key's, or one batch run's), with
+    their rotated parts; the removed. A live launch's log is its key's newest, so it is always kept."""
     pattern = re.compile(rf"^{stem}\.log$")
-    return keep_newest([p for p in logs.iterdir() if pattern.match(p.name)], LOGS_KEPT if keep is None else keep)
+    removed = keep_newest([p for p in logs.iterdir() if pattern.match(p.name)], LOGS_KEPT if keep is None else keep)
+    for p in removed:  # and their rotated older parts
+        p.with_name(p.name + ROTATED_SUFFIX).unlink(missing_ok=True)
+    return removed
 
 
 # ---------------------------------------------------------------------------------- launching
@@ -232,7 +242,8 @@ def launch(key: str, pipeline: str, command: Sequence[str], *, data_dir: str | P
         started_at = time.time()
         with open(log_path, "ab") as out:
             try:
-                proc = subprocess.Popen(list(command), env=env, cwd=workdir, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(list(command), env={**env, LOG_ENV: str(log_path)}, cwd=workdir,
+                                        stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as e:
                 raise LaunchError(f"cannot start the driver of pipeline {pipeline!r} ({command[0]}): {e}") from None
@@ -406,7 +417,8 @@ def run_foreground(spec_file: str | Path, data_dir: str | Path, settings: NatsSe
     with open(log_path, "ab") as err:
         specs = load_specs([Path(spec_file)])
         p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
-        proc = subprocess.Popen(command, env=driver_env(settings, data_dir, workdir, pipeline=p), cwd=workdir,
+        env = {**driver_env(settings, data_dir, workdir, pipeline=p), LOG_ENV: str(log_path)}
+        proc = subprocess.Popen(command, env=env, cwd=workdir,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                 start_new_session=True)
         try:

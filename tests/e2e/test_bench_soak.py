@@ -41,5 +41,9 @@ def test_quick_soak_reports_every_slope_and_loses_nothing(tmp_path):
     assert s["dead_letters"] == s["malformed_produced"] > 0, s  # the dead-letter path was exercised
     assert r["series"] and {"cpu_s", "batches", "files", "ledger_bytes", "rss_bytes"} <= set(r["series"][-1])
     assert r["files_final"]["checkpoint_commits"] > 0 and r["files_final"]["sink_raw_log"] > 0
+    # each maintenance folded and trimmed every sink's Delta log (accelerated retention 0 h) to a few files
+    done = [m[k] for m in r["maintenance"] for k in ("raw", "agg") if not m[k]["skipped"]]
+    assert any(d["path"].endswith("raw") for d in done), r["maintenance"]
+    assert all(d["folded_through"] is not None and d["log_files_after"] <= 8 for d in done), done
     assert r["machine"]["cores"] and len(r["load_average_end"]) == 3
     assert r["all_flat"] is all(m["flat"] for m in r["slopes"].values())

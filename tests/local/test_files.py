@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from isbflow.local.files import keep_newest, tail
+from isbflow.local.files import keep_newest, rotate_log, tail
 
 
 def test_tail_reads_only_the_end_of_a_big_log(tmp_path):
@@ -32,3 +32,15 @@ def test_keep_newest_removes_the_oldest_files_and_folders(tmp_path):
     assert sorted(p.name for p in removed) == ["d1", "d3", "f0", "f2", "f4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d5", "d7", "f6"]
     assert keep_newest(tmp_path.iterdir(), 3) == []
+
+
+def test_rotate_log_copies_then_truncates_and_an_appending_writer_goes_on_at_the_start(tmp_path):
+    log = tmp_path / "driver.log"
+    with open(log, "ab", buffering=0) as writer:  # how a launch opens a driver's stdout and stderr
+        writer.write(b"a" * 3000)
+        assert not rotate_log(log, 5000) and not (tmp_path / "driver.log.1").exists()
+        assert rotate_log(log, 1000)
+        assert (tmp_path / "driver.log.1").read_bytes() == b"a" * 3000 and log.stat().st_size == 0
+        writer.write(b"next\n")
+    assert log.read_bytes() == b"next\n"  # at the new end: no hole where the old bytes were
+    assert not rotate_log(tmp_path / "none.log", 0)

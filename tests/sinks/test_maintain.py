@@ -106,3 +106,132 @@ def test_vacuum_retention_has_a_floor_and_dry_run_changes_nothing(tmp_path):
     assert done.version_after > done.version_before
     assert len(data_files(path)) == 7  # the compacted-away files are kept for readers
     assert maintain_table(str(tmp_path / "none")).skipped
+
+
+def _answers(path: str) -> tuple:
+    """What every reader of the history says: the ledger rebuilt from the table, the quality basis at
+    the current version, and verify's proof (less what maintenance itself changes: versions, commits)."""
+    proof = verify_table(path).to_json()
+    for k in ("version", "commits"):
+        proof.pop(k)
+    return ledger.from_delta_history(path), ledger.delta_history_until(path, DeltaTable(path).version()), proof
+
+
+def _log(path: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(path, "_delta_log")))
+
+
+def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
+    from deltalake import CommitProperties, write_deltalake
+
+    from isbflow.sinks.delta_log import FOLD_CLAIMED_KEY, LogRetentionError, bound_log
+    from isbflow.sinks.delta_merge import replace_keys
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    for b in range(30):  # 9 of every 10 offsets: a hole (a dead letter, say) per batch
+        commit(opts, b, b * 10 + 1, 9)
+    # a reprocess of 51..60 whose new code drops 55, and a commit made outside isbflow
+    old = ids(51, 9).select(["_isb_id"])
+    new = ids(51, 9).filter(pa.compute.not_equal(ids(51, 9).column("v"), 55))
+    replace_keys(path, new, old,
+                 metadata={ledger.OFFSETS_KEY: ledger.to_metadata({"in/0": [[51, 59]]})})
+    write_deltalake(path, ids(1000, 3), mode="append", commit_properties=CommitProperties(custom_metadata={}))
+    before = _answers(path)
+    assert before[0]["in/0"][:2] == [[1, 9], [11, 19]] and [51, 59] in before[0]["in/0"]
+    assert before[2]["claimed"]["in/0"][5:7] == [[51, 54], [56, 59]]  # the reprocess' claim
+    assert [c["version"] for c in before[2]["foreign_commits"]] == [31] and not before[2]["ok"]
+    assert len(_log(path)) == 32  # versions 0..31
+    assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+    with pytest.raises(MaintenanceError, match="log retention 1 h is below the floor"):
+        maintain_table(path, log_retention_hours=1)
+    with pytest.raises(LogRetentionError):
+        bound_log(path, -1, force=True)
+    done = maintain_table(path, 0, force=True, log_retention_hours=0)  # explicit: remove every old entry
+    # left: the fold (33; 32 set the log properties) with its checkpoint, the compaction and the vacuum's two
+    assert done.log_files_before == 32 and done.log_files_after == len(_log(path)) == 6, _log(path)
+    assert done.folded_through == 32 and _log(path)[:2] == [f"{33:020d}.checkpoint.parquet", f"{33:020d}.json"]
+    assert _answers(path) == before  # the same answers from a log of a few files
+
+    for b in range(30, 40):  # the stream goes on; the next maintenance folds on top of the first fold
+        commit(opts, b, b * 10 + 1, 9)
+    expected = ledger.union(before[0], {"in/0": [[b * 10 + 1, b * 10 + 9] for b in range(30, 40)]})
+    assert ledger.from_delta_history(path) == expected
+    maintain_table(path, 0, force=True, log_retention_hours=0)
+    after = _answers(path)
+    assert after[0] == after[1] == expected
+    assert after[2]["claimed"] == ledger.union(before[2]["claimed"], {"in/0": expected["in/0"][-10:]})
+    assert after[2]["foreign_commits"] == before[2]["foreign_commits"]  # still named, though its entry is gone
+    assert len(_log(path)) == 6  # bounded: the same few files after each maintenance
+    fold = DeltaTable(path).history()[-1]  # the oldest commit left: the second fold, no files
+    assert fold["operation"] == "WRITE" and FOLD_CLAIMED_KEY in fold and fold["version"] == 47
+    assert commit(opts, 39, 391, 9).version is None  # a replayed batch is still recognised
+
+    with pytest.raises(ledger.LogTruncated, match="read a newer version"):
+        ledger.delta_history_until(path, done.version_before)  # a version whose history is gone: loud
+
+
+def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
+    from isbflow.sinks import delta_commit
+    from isbflow.sinks.delta_log import TABLE_CONFIGURATION, retention_properties
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    commit(opts, 0, 1, 10)
+    assert DeltaTable(path).metadata().configuration == TABLE_CONFIGURATION  # the default's: nothing to change
+
+    def stale(p):  # the batch's commit reads the table, then maintenance sets another log retention
+        table = DeltaTable(p)
+        DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        return table
+
+    monkeypatch.setattr(delta_commit, "open_table", stale)
+    done = commit(opts, 1, 11, 10)
+    assert done.rows == 10 and done.version == 2  # 1: the properties; its first attempt failed, "Metadata changed"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 21))
+    assert DeltaTable(path).transaction_version(APP) == 1
+
+
+def test_a_log_cleaned_outside_maintenance_is_reported_and_then_folded_as_it_is(tmp_path):
+    from deltalake import CommitProperties, write_deltalake
+
+    from isbflow.quality.verify import VerifyError
+
+    path = str(tmp_path / "t")
+    for i in range(101):  # delta-rs' own clean-up at its checkpoint of version 100 (retention 0 s here)
+        write_deltalake(path, ids(i * 10 + 1, 10), mode="append",
+                        configuration={"delta.logRetentionDuration": "interval 0 seconds"},
+                        commit_properties=CommitProperties(custom_metadata={
+                            ledger.OFFSETS_KEY: ledger.to_metadata({"in/0": [[i * 10 + 1, i * 10 + 10]]})}))
+    assert len(_log(path)) < 10  # the offsets of versions 0..98 are gone with their entries
+    with pytest.raises(ledger.LogTruncated, match="no fold covers"):
+        ledger.from_delta_history(path)  # loud, not a partial answer
+    with pytest.raises(VerifyError, match="no fold covers"):
+        verify_table(path)
+    maintain_table(path, 0, force=True, log_retention_hours=0)  # folds what is left, from then on bounded
+    assert ledger.from_delta_history(path) == {"in/0": [[991, 1010]]}
+    assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+
+def test_an_upsert_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
+    from isbflow.sinks import delta_merge
+    from isbflow.sinks.delta_log import retention_properties
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP, "mode": "upsert", "mergeKey": "_isb_id"})
+    commit(opts, 0, 1, 10)
+    calls = []
+
+    def stale(p):  # the merge reads the table, then maintenance sets another log retention (first call only)
+        table = DeltaTable(p)
+        if not calls:
+            DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        calls.append(p)
+        return table
+
+    monkeypatch.setattr(delta_merge, "open_table", stale)
+    done = commit(opts, 1, 6, 10)  # 6..10 updated, 11..15 inserted
+    assert done.rows == 10 and len(calls) >= 2  # read again after "Metadata changed"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 16))
+    assert DeltaTable(path).transaction_version(APP) == 1

@@ -62,6 +62,24 @@ def test_launch_is_detached_recorded_and_keeps_secrets_in_env(data_dir):
     assert environ["NATS_PASSWORD"] == SECRET and SECRET not in environ["NATS_URL"]
     assert environ["ISBFLOW_HOME"] == str(data_dir.absolute())
     assert environ["PYSPARK_PYTHON"] == sys.executable and environ["SPARK_LOCAL_IP"] == "127.0.0.1"
+    assert environ[L.LOG_ENV] == rec.log  # the driver bounds its own log (next test)
+
+
+def test_a_launched_driver_rotates_its_own_log(data_dir):
+    chatty = [sys.executable, "-c", "import sys, time\n"
+              "from isbflow.steps.driver import cap_own_log\n"
+              "cap_own_log(max_bytes=1000, interval=0.05)\n"
+              "for i in range(20):\n    print('x' * 299, flush=True)\n"
+              "time.sleep(0.5)\nprint('after', flush=True)\ntime.sleep(300)"]
+    rec = start(data_dir, command=chatty)
+    log = Path(rec.log)
+    wait_for(lambda: "after" in log.read_text())
+    rotated = log.with_name(log.name + ".1")
+    assert rotated.exists() and 1000 < rotated.stat().st_size <= 6000  # one 6,000-byte burst at most
+    assert log.stat().st_size < 1000  # the live part holds what came after the last rotation
+    L.stop_process(rec.pid, rec.proc_start, grace=2)
+    L.prune_logs(log.parent, "demo-[0-9a-f]{12}", keep=0)  # pruning removes a log with its rotated part
+    assert not rotated.exists() and not log.exists()
 
 
 def test_live_launch_is_reused_and_a_stopped_one_replaced(data_dir):
