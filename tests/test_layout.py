@@ -107,6 +107,8 @@ LAZY_IMPORTS_REASONED = [
     "isbflow/airflow/assets.py",
     "isbflow/airflow/catalog.py",
     "isbflow/airflow/pipelines.py",
+    "isbflow/platform/",
+    "isbflow/recovery/",
 ]
 #: modules in those folders still being cleaned elsewhere
 LAZY_IMPORTS_NOT_YET: list[str] = []
