@@ -137,6 +137,7 @@ def split_id(isb_id: str) -> tuple[str, int] | None:
 
 
 def _parsed_ids(df):
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import functions as F
 
     return df.select(F.col(ID_COLUMN).alias("id"),
@@ -146,6 +147,7 @@ def _parsed_ids(df):
 
 def offset_ranges(df) -> dict[str, tuple[int, int, int]]:
     """Per ``<source>/<partition>``: (min seq, max seq, distinct seqs) the sink holds."""
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import functions as F
 
     rows = (_parsed_ids(df).filter(F.col("seq_text") != "")
@@ -159,6 +161,7 @@ def offset_ranges(df) -> dict[str, tuple[int, int, int]]:
 def completeness(df, basis: OffsetBasis, observed: Mapping[str, tuple[int, int, int]] | None = None
                  ) -> CheckResult:
     """Missing ids per stream: expected range, minus ids present, minus dead-lettered ids."""
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -227,6 +230,7 @@ def completeness(df, basis: OffsetBasis, observed: Mapping[str, tuple[int, int, 
 
 def present_ranges(df) -> tuple[PartitionRanges, int]:
     """(per ``<source>/<partition>``, the ranges of seqs the sink holds; how many ids are malformed)."""
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -244,6 +248,7 @@ def present_ranges(df) -> tuple[PartitionRanges, int]:
 
 def duplicate_ids(df) -> tuple[int, int, list[str]]:
     """(surplus rows: rows less distinct ids, ids held more than once, a few of them)."""
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import functions as F
 
     dup = df.filter(F.col(ID_COLUMN).isNotNull()).groupBy(ID_COLUMN).count().filter(F.col("count") > 1)
@@ -392,6 +397,7 @@ def freshness_column(columns: Sequence[str]) -> str | None:
 
 def freshness(df, max_lag: float | None, now: datetime) -> CheckResult:
     """The newest event time is at most ``max_lag`` seconds before ``now``."""
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import functions as F
 
     if max_lag is None:
@@ -437,6 +443,7 @@ def window_recompute(agg, raw, keys: Sequence[str] = ("service",), count_column:
 
     Without ``closure`` every window counts as closed.
     """
+    # lazy: pyspark (0.3-1 s); quality.checks imports without Spark (ops.quality, the UI, the reports)
     from pyspark.sql import functions as F
 
     need_agg = ["window_start", "window_end", count_column, *keys]
