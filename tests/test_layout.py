@@ -111,11 +111,14 @@ LAZY_IMPORTS_REASONED = [
     "isbflow/recovery/",
     "isbflow/quality/",
     "isbflow/ops/",
+    "isbflow/spec/",
 ]
 #: modules in those folders still being cleaned elsewhere
 LAZY_IMPORTS_NOT_YET: list[str] = [
     "isbflow/quality/verify.py",
     "isbflow/ops/sinks.py",
+    "isbflow/spec/models.py",
+    "isbflow/spec/postgres.py",
 ]
 
 
@@ -151,6 +154,10 @@ def unreasoned_imports(path: Path) -> list[str]:
 
 
 def test_every_import_inside_a_function_says_why_it_is_lazy():
+    """Issue 13: imports inside functions only where a heavy dependency (Spark, Airflow, GX, Delta)
+    must stay lazy, each with a ``# lazy: <why>`` comment. Checked in the folders listed in
+    LAZY_IMPORTS_REASONED; the other folders (connector/, isb/, sinks/, steps/, local/,
+    airflow/hooks/) and the modules in LAZY_IMPORTS_NOT_YET join as they are cleaned."""
     paths = sorted({p for entry in LAZY_IMPORTS_REASONED
                     for p in ((ROOT / entry).rglob("*.py") if entry.endswith("/") else [ROOT / entry])
                     if str(p.relative_to(ROOT)) not in LAZY_IMPORTS_NOT_YET})
