@@ -55,7 +55,8 @@ def emit_sink_events(context: Mapping[str, Any], pipeline, data_dir: str | Path,
     ``sinks`` limits the sinks (default: all). Needs the task to have the
     :func:`sinks_alias` outlet. Returns the URIs of the events added.
     """
-    from isbflow.ops.sinks import (  # Delta and Spark: only when a task ends
+    # lazy: ops.sinks loads pyspark and deltalake (~2 s); DAG parsing must not (it reruns every 30 s)
+    from isbflow.ops.sinks import (
         sink_table_path,
         sink_version,
     )

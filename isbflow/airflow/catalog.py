@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from isbflow.airflow.pipelines import pipeline_files
+from isbflow.spec import SpecError, load_specs
+from isbflow.spec.load import name_collisions
 from isbflow.spec.models import Pipeline
 
 log = logging.getLogger(__name__)
@@ -57,9 +59,6 @@ class Catalog:
 
 def load_catalog(directory: str | Path) -> Catalog:
     """Every pipeline of every spec file under ``directory`` (recursively, sorted by file)."""
-    from isbflow.spec import SpecError, load_specs
-    from isbflow.spec.load import name_collisions
-
     cat = Catalog(Path(directory))
     seen: dict[str, str] = {}
     loaded = []

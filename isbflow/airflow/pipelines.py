@@ -53,6 +53,7 @@ def resolve_pipeline_file(name: str | Path, directory: str | Path) -> Path:
 
 def pipeline_param(directory: Path, default: str = "logs.yaml") -> Any:
     """A trigger-form ``Param`` whose choices are the spec files under ``directory``."""
+    # lazy: airflow.sdk costs seconds; the UI app imports this module and is built and tested without Airflow
     from airflow.sdk import Param
 
     files = pipeline_files(directory)

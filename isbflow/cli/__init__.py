@@ -5,6 +5,7 @@ One module per command group (``isbflow/cli/<group>.py``), each a Typer app.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Annotated
 
@@ -52,8 +53,6 @@ def _register_optional() -> None:
     A module exposing ``register(app)`` adds its own commands (a single top-level
     command such as ``produce``); otherwise its Typer ``app`` becomes group ``name``.
     """
-    import importlib
-
     for mod, name in (("isbflow.cli.isb", "isb"), ("isbflow.cli.produce", "produce"),
                       ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform"),
                       ("isbflow.cli.pipeline", "pipeline"), ("isbflow.cli.replay", "replay"),

@@ -16,7 +16,14 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from rich.console import Console
 
-from isbflow.ops.connection import IsbUnreachable, NatsSettings, default_data_dir, resolve_settings
+from isbflow.ops.connection import (
+    READER,
+    IsbUnreachable,
+    NatsSettings,
+    default_data_dir,
+    resolve_settings,
+)
+from isbflow.ops.isb import granted
 from isbflow.spec import SpecError, Specs, load_specs
 
 T = TypeVar("T")
@@ -95,9 +102,6 @@ def reader_settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: 
     """Settings for a command that only reads ``pipeline``'s state: the embedded server's read-only
     ``reader`` user once the pipeline is granted (provisioned by isbflow), else the admin's (a
     pipeline provisioned by other means has no grants to read with)."""
-    from isbflow.ops.connection import READER
-    from isbflow.ops.isb import granted
-
     dd = data_dir_or_default(data_dir)
     return settings_or_exit(nats_url, data_dir, specs, pipeline, role=READER if granted(dd, pipeline) else None)
 

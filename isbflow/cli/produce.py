@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Annotated
 
 import typer
@@ -28,6 +29,10 @@ from isbflow.cli.common import (
     run,
     settings_or_exit,
 )
+from isbflow.ops import produce as P
+from isbflow.ops.connection import PRODUCER
+from isbflow.ops.isb import granted
+from isbflow.spec import SpecError
 
 
 def produce(
@@ -69,11 +74,6 @@ def produce(
 
       isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
-    from isbflow.ops import produce as P
-    from isbflow.ops.connection import PRODUCER
-    from isbflow.ops.isb import granted
-    from isbflow.spec import SpecError
-
     specs = load_or_exit(file)
     try:
         p = specs.select(pipeline)
@@ -88,8 +88,6 @@ def produce(
              "create it with 'isbflow isb apply -f <spec>'")
     shift_ms = 0
     if event_time_from is not None:
-        from datetime import UTC, datetime
-
         try:
             t = datetime.now(UTC) if event_time_from == "now" else datetime.fromisoformat(event_time_from)
         except ValueError:
@@ -120,6 +118,7 @@ def _progress_bar(total: int, show: bool) -> Iterator[Callable[[int], None] | No
     if not show:
         yield None
         return
+    # lazy: rich.progress adds ~28 ms to every command's start-up (-X importtime); only a shown bar needs it
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

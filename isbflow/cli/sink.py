@@ -65,6 +65,7 @@ def maintain_cmd(
         isbflow sink maintain -f pipelines/logs.yaml --dry-run
         isbflow sink maintain -f pipelines/logs.yaml --sink raw --retention-hours 336
     """
+    # lazy: ops.sinks imports pyspark and deltalake (~1.3 s, -X importtime); only 'sink maintain' needs them
     from isbflow.ops.sinks import (
         DEFAULT_LOG_RETENTION_HOURS,
         DEFAULT_RETENTION_HOURS,

@@ -265,7 +265,9 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     """Run ``steps`` (default all) of ``p`` in this process: continuously until drained or
     interrupted, or available-now. ``processing_time`` overrides every step's trigger interval
     (default the runner's). Raises :class:`PipelineError` when a step fails."""
-    from isbflow.steps.metrics import serve  # lazy: Spark
+    # lazy: steps.metrics and steps.runner add ~80 ms (prometheus_client, the runner) to every `isbflow` command,
+    # which imports this module; only a foreground run needs them
+    from isbflow.steps.metrics import serve
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 
     cap_own_log()  # a launched driver bounds its own log (isbflow.steps.driver)

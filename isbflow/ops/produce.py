@@ -33,6 +33,8 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
+from nats.js.errors import NoStreamResponseError, NotFoundError
+
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.publish import Ack, AckedPublisher
@@ -273,10 +275,6 @@ class _AckCounter:
         if self.in_flight <= self.low:
             self.room.set()
         if error is not None:
-            from nats.js.errors import (
-                NoStreamResponseError,  # only on this rare path: imports cost per ack
-            )
-
             if isinstance(error, NoStreamResponseError):  # still 503 after the publisher's resends
                 self.unavailable += 1
             else:
@@ -326,8 +324,6 @@ async def produce(
     stream is missing, :class:`ProduceFailed` when the server refuses messages
     or never acknowledges them.
     """
-    from nats.js.errors import NotFoundError
-
     if count < 0 or start < 0:
         raise ValueError("count and start must be >= 0")
     if malformed_every is not None and malformed_every < 1:

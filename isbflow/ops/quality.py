@@ -13,9 +13,11 @@ from typing import Any
 
 from isbflow.isb.connect import IsbUnreachable as Unreachable
 from isbflow.isb.connect import NatsSettings
-from isbflow.quality.basis import DEFAULT_WAIT_S
+from isbflow.quality.basis import DEFAULT_WAIT_S, read_ledger_basis
+from isbflow.quality.checks import SinkOffsetBasis
 from isbflow.quality.errors import QualityError
 from isbflow.quality.reports import UnsafeReportPath, list_reports, report_path
+from isbflow.quality.verify import VerifyError, verify_table
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -58,9 +60,8 @@ def check_sinks(spark: Any, specs: Specs, p: Pipeline, settings: NatsSettings | 
     ``skip_unchecked`` is listed in ``skipped``. ``shadow``: per sink, a shadow table to check
     instead (``{"table_path": ..., "run": ..., ...}``; the report is tagged with it).
     """
-    # Spark, Delta and GX: imported when a check runs, never by the CLI's or the DAGs' module loads
-    from isbflow.quality.basis import read_ledger_basis
-    from isbflow.quality.checks import SinkOffsetBasis
+    # lazy: quality.run and steps.runner load pyspark and deltalake (~0.7 s on top of this module);
+    # the UI app and the CLI's quality commands import this module without running a check
     from isbflow.quality.run import expected_schema, run_quality
     from isbflow.steps.runner import PipelineRunner, StepError
 
@@ -128,7 +129,7 @@ class SinkVerification:
 def verify_sinks(p: Pipeline, data_dir: Path, sinks: Sequence[str]) -> list[SinkVerification]:
     """Prove from each sink's Delta table alone (commit metadata and data, no ISB service) which source
     ranges it holds completely and exactly once (:func:`isbflow.quality.verify.verify_table`)."""
-    from isbflow.quality.verify import VerifyError, verify_table
+    # lazy: sinks.tables loads pyspark and deltalake (~1-3 s); the UI app imports this module
     from isbflow.sinks.tables import sink_table_path
 
     out = []

@@ -46,7 +46,8 @@ def replay(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: Na
            shadow: bool = False) -> Any:
     """Run (or with ``dry_run`` plan) a replay; the report (``.ok``, ``.to_json()``). ``shadow``
     (reprocess only): a :class:`ShadowReview` of shadow tables instead (module docstring)."""
-    # recovery imports Spark, Delta and GX: loaded when a replay runs, not with the faces' modules
+    # lazy: recovery/ loads pyspark and deltalake (seconds) when a replay runs; the CLI and the
+    # replay DAG import this module at start-up / parse time
     from isbflow.recovery.plan import plan_recover
     from isbflow.recovery.recover import RecoveryError, recover
     from isbflow.recovery.reprocess import RangeError, ReprocessError, reprocess
@@ -138,6 +139,7 @@ class ShadowReview:
 def _review(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path,
             report: Any) -> ShadowReview:
     """Each raw sink's suite on its shadow table, the verdicts stored in the run record."""
+    # lazy: recovery/ loads pyspark and deltalake, ops.quality adds ~35 ms: not at `isbflow` start-up
     from isbflow.ops.quality import QualityError, check_sinks
     from isbflow.recovery.reprocess_promote import suite_refusals
     from isbflow.recovery.shadow import load_run, record_quality
@@ -163,6 +165,7 @@ def promote(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: N
     """Promote shadow run ``run`` into the live sinks (one Delta commit per raw sink, then the
     aggregate windows); the report. ReplayError naming why when it is refused (an unknown run:
     ``usage``)."""
+    # lazy: recovery/ loads pyspark and deltalake (seconds); not at `isbflow` start-up or DAG parse
     from isbflow.recovery.reprocess import ReprocessError
     from isbflow.recovery.reprocess_promote import PromoteRefused
     from isbflow.recovery.reprocess_promote import promote as promote_run

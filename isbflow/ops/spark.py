@@ -19,7 +19,8 @@ class SparkOnDemand:
         self._own: Any = None
 
     def __call__(self) -> Any:
-        from pyspark.sql import SparkSession  # heavy: only verbs that run Spark import it
+        # lazy: pyspark and steps.runner (0.3-1 s): only a verb that asks for a session loads them
+        from pyspark.sql import SparkSession
 
         from isbflow.steps.runner import register_sources, spark_session
 

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.js.errors import BucketNotFoundError
+
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.read import stream_state
@@ -39,10 +41,6 @@ class PipelineState:
 
 async def read(nc: Any, p: Pipeline) -> PipelineState:
     """Everything the status and control buckets and the dead-letter stream hold for ``p``."""
-    from nats.js.errors import (
-        BucketNotFoundError,  # nats-py's error types, lazily like every nats import
-    )
-
     order = p.topological_order()
     try:
         statuses = await st.all_status(nc, p.name, order)

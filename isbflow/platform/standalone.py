@@ -83,7 +83,7 @@ class StandaloneCluster:
 
 def spark_class() -> Path:
     """``bin/spark-class`` of the installed pyspark wheel."""
-    import pyspark
+    import pyspark  # lazy: importing pyspark costs 0.3-1 s; `isbflow --help` imports this module
 
     path = Path(pyspark.__file__).parent / "bin" / "spark-class"
     if not path.exists():

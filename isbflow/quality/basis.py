@@ -26,9 +26,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nats.js.errors import NotFoundError
+
 from isbflow.isb import ledger, naming
+from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, run_with
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.ledger import CommittedWatermark, PartitionRanges
+from isbflow.isb.read import stream_state
 from isbflow.quality.checks import WindowClosure
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir
@@ -70,8 +75,6 @@ class LedgerBasis:
             return None
 
         async def get(nc):
-            from nats.js.errors import NotFoundError
-
             try:
                 m = await nc.jsm().get_msg(src.stream, seq=seq, next=True)
             except NotFoundError:
@@ -86,8 +89,6 @@ class LedgerBasis:
     def source_committed(self) -> dict[str, int]:
         """Per JetStream source partition, the offset its source step has committed now (when the ISB
         service no longer answers: the last offset the source held, the most that can be past it)."""
-        from isbflow.isb import state as st
-
         async def get(nc):
             out = {}
             for part, src in self.sources.items():
@@ -104,9 +105,6 @@ def read_ledger_basis(settings: NatsSettings, p: Pipeline, data_dir: str | Path,
                       wait_s: float = DEFAULT_WAIT_S, dead_letter_limit: int = 1_000_000) -> LedgerBasis:
     """The pipeline's :class:`LedgerBasis` now (every sink's watermark). Raises
     :class:`isbflow.isb.connect.IsbUnreachable` when the ISB service cannot be reached."""
-    from isbflow.isb.dlq import read_dead_letters
-    from isbflow.isb.read import stream_state
-
     sinks = [v.name for v in p.spec.vertices if v.sink is not None]
 
     async def go(nc) -> LedgerBasis:

@@ -137,7 +137,7 @@ def split_id(isb_id: str) -> tuple[str, int] | None:
 
 
 def _parsed_ids(df):
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # lazy: pyspark (0.3-1 s); module loads without it
 
     return df.select(F.col(ID_COLUMN).alias("id"),
                      F.regexp_extract(ID_COLUMN, _ID_RE, 1).alias("stream"),
@@ -146,7 +146,7 @@ def _parsed_ids(df):
 
 def offset_ranges(df) -> dict[str, tuple[int, int, int]]:
     """Per ``<source>/<partition>``: (min seq, max seq, distinct seqs) the sink holds."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # lazy: pyspark (0.3-1 s); module loads without it
 
     rows = (_parsed_ids(df).filter(F.col("seq_text") != "")
             .groupBy("stream").agg(F.min(F.col("seq_text").cast("long")).alias("lo"),
@@ -159,7 +159,7 @@ def offset_ranges(df) -> dict[str, tuple[int, int, int]]:
 def completeness(df, basis: OffsetBasis, observed: Mapping[str, tuple[int, int, int]] | None = None
                  ) -> CheckResult:
     """Missing ids per stream: expected range, minus ids present, minus dead-lettered ids."""
-    from pyspark.sql import Window
+    from pyspark.sql import Window  # lazy: pyspark (0.3-1 s); module loads without it
     from pyspark.sql import functions as F
 
     observed = offset_ranges(df) if observed is None else observed
@@ -227,7 +227,7 @@ def completeness(df, basis: OffsetBasis, observed: Mapping[str, tuple[int, int, 
 
 def present_ranges(df) -> tuple[PartitionRanges, int]:
     """(per ``<source>/<partition>``, the ranges of seqs the sink holds; how many ids are malformed)."""
-    from pyspark.sql import Window
+    from pyspark.sql import Window  # lazy: pyspark (0.3-1 s); module loads without it
     from pyspark.sql import functions as F
 
     parsed = _parsed_ids(df)
@@ -244,7 +244,7 @@ def present_ranges(df) -> tuple[PartitionRanges, int]:
 
 def duplicate_ids(df) -> tuple[int, int, list[str]]:
     """(surplus rows: rows less distinct ids, ids held more than once, a few of them)."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # lazy: pyspark (0.3-1 s); module loads without it
 
     dup = df.filter(F.col(ID_COLUMN).isNotNull()).groupBy(ID_COLUMN).count().filter(F.col("count") > 1)
     row = dup.agg(F.sum(F.col("count") - 1).alias("extra"), F.count(F.lit(1)).alias("ids")).first()
@@ -392,7 +392,7 @@ def freshness_column(columns: Sequence[str]) -> str | None:
 
 def freshness(df, max_lag: float | None, now: datetime) -> CheckResult:
     """The newest event time is at most ``max_lag`` seconds before ``now``."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # lazy: pyspark (0.3-1 s); module loads without it
 
     if max_lag is None:
         return skipped("freshness", "no freshness configured for this sink")
@@ -437,7 +437,7 @@ def window_recompute(agg, raw, keys: Sequence[str] = ("service",), count_column:
 
     Without ``closure`` every window counts as closed.
     """
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # lazy: pyspark (0.3-1 s); module loads without it
 
     need_agg = ["window_start", "window_end", count_column, *keys]
     need_raw = [time_column, *keys]

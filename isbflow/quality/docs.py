@@ -64,6 +64,7 @@ def _local_image(name: str) -> str:
 
 
 def _gx_static() -> Path:
+    # lazy: great_expectations takes seconds to import; only a quality run and its Data Docs need it
     import great_expectations.render.view as view
 
     return Path(view.__file__).parent / "static"
@@ -71,6 +72,7 @@ def _gx_static() -> Path:
 
 def install_static(reports_root: Path) -> Path:
     """Copy GX's static assets and the isbflow stylesheet to ``<reports>/_static``; return it."""
+    # lazy: great_expectations takes seconds to import; only a quality run and its Data Docs need it
     import great_expectations as gx
 
     target = reports_root / STATIC_DIR

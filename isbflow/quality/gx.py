@@ -73,6 +73,7 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 def _context(root: Path):
+    # lazy: great_expectations takes seconds to import; only a quality run and its Data Docs need it
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
@@ -87,6 +88,7 @@ def _context(root: Path):
 def validate(data_dir: Path, pipeline: str, sink: str, df, expectations: Sequence[ExpectationRun],
              run_name: str, run_time: datetime) -> GxOutcome:
     """Run ``expectations`` on ``df`` (a Spark DataFrame); results in the order given."""
+    # lazy: great_expectations takes seconds to import; only a quality run and its Data Docs need it
     import great_expectations as gx
     from great_expectations.checkpoint import UpdateDataDocsAction
 

@@ -202,7 +202,7 @@ def region_of(p: Pipeline, lost_streams: set[str]) -> tuple[set[str], set[str]]:
 
 def dimension_columns(schema) -> list[str]:
     """The non-numeric columns of an aggregate sink's schema: what its rows are merged by."""
-    from pyspark.sql.types import (  # lazy: Spark
+    from pyspark.sql.types import (  # lazy: pyspark (0.3-1 s); recovery.job imports without Spark
         BooleanType,
         DecimalType,
         DoubleType,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
+from psycopg import sql
 
 from isbflow.isb import ledger
 from isbflow.sinks.postgres import (
@@ -52,8 +53,6 @@ def clock(t: PostgresTarget):
 
 def merge_stats(t: PostgresTarget, since) -> tuple[int, int]:
     """(rows offered, rows written) by the sink's commits after ``since``."""
-    from psycopg import sql
-
     with connect(t) as conn, conn.cursor() as cur:
         if table_columns(cur, bookkeeping_table(t.spec.table)) is None:
             return 0, 0
@@ -66,14 +65,10 @@ def merge_stats(t: PostgresTarget, since) -> tuple[int, int]:
 
 def ids(t: PostgresTarget) -> pa.Array:
     """Every ``_isb_id`` the table holds (one per row)."""
-    from psycopg import sql
-
     rows = _query(t, sql.SQL("SELECT {} FROM {}").format(sql.Identifier(ledger.ID_COLUMN),
                                                          sql.Identifier(*t.spec.table.split("."))))
     return pa.array([r[0] for r in rows], pa.string())
 
 
 def count_rows(t: PostgresTarget) -> int:
-    from psycopg import sql
-
     return int(_query(t, sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(*t.spec.table.split("."))))[0][0])

@@ -23,14 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.types as pt
 
 from isbflow.isb import ledger, naming
+from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss
+from isbflow.isb.read import stream_state
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.job import region_of, running_steps
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
+from isbflow.steps.runner import PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +106,6 @@ class RecoveryPlan:
 def plan_recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: str | Path, *,
                  lost: list[str] | None = None) -> RecoveryPlan:
     """What recover would do now (module docstring). ``spark``: a session or a function making one."""
-    from isbflow.steps.runner import PipelineRunner
-
     p = pipeline
     data_dir = Path(data_dir).absolute()
     plan = RecoveryPlan(p.name)
@@ -165,6 +168,7 @@ def _sink_path(p: Pipeline, vertex: str, data_dir: Path) -> str | None:
 
 
 def _numeric_types() -> tuple[type, ...]:
+    # lazy: pyspark (0.3-1 s) stays out of recovery.plan's own imports
     from pyspark.sql.types import BooleanType, DecimalType, DoubleType, FloatType, IntegralType
 
     return IntegralType, FloatType, DoubleType, DecimalType, BooleanType
@@ -173,7 +177,7 @@ def _numeric_types() -> tuple[type, ...]:
 def _table_columns(path: str) -> list[tuple[str, bool]] | None:
     """(column, is a dimension) of the sink's Delta table (None: no table). Dimensions are the
     non-numeric columns, as :func:`isbflow.recovery.job.dimension_columns` counts them."""
-    import pyarrow.types as pt
+    # lazy: deltalake (~0.25 s) stays out of recovery.plan's own imports; only reading a sink's table needs it
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -197,10 +201,6 @@ class _LedgerState:
 
 async def _read_state(nc, settings: NatsSettings, p: Pipeline, plan: RecoveryPlan) -> _LedgerState:
     """Fill ``plan.running`` (steps recover would drain) and read the ledger, dead letters and sources."""
-    from isbflow.isb import state as st
-    from isbflow.isb.dlq import read_dead_letters
-    from isbflow.isb.read import stream_state
-
     statuses = await st.all_status(nc, p.name, plan.region)
     plan.running = running_steps(statuses)
     dead: ledger.PartitionRanges = {}

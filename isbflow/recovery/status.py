@@ -13,6 +13,7 @@ import time
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from isbflow.isb import naming
+from isbflow.local.procs import process_alive
 
 #: a recovery run on another host (its process cannot be checked) that published no phase for
 #: this long counts as killed midway. Generous: a replay phase publishes only when it ends, and
@@ -24,8 +25,6 @@ def is_running(r: dict | None, now: float | None = None) -> bool:
     """Whether the recovery ``r`` still runs: its state says ``running`` and its process is alive
     (on this host), or, run on another host, it published a phase within :data:`STUCK_AFTER_S`.
     A recover killed midway leaves ``running`` behind; this tells it from a live one."""
-    from isbflow.steps.launch import process_alive
-
     if not r or r.get("state") != "running":
         return False
     if r.get("pid") and r.get("host") == socket.gethostname():

@@ -42,9 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
-from isbflow.isb.state import Observed, StepStatus
+from isbflow.isb.loss import detect_loss
+from isbflow.isb.state import Observed, StepStatus, all_status
 from isbflow.recovery.status import is_running
 from isbflow.spec.models import Pipeline
 from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE, LaunchRecord
@@ -171,8 +174,6 @@ def next_history(previous: dict[str, Any] | None, statuses: dict[str, StepStatus
 
 
 async def _get_json(kv, key: str) -> dict[str, Any] | None:
-    from nats.js.errors import KeyNotFoundError, NotFoundError
-
     try:
         entry = await kv.get(key)
     except (KeyNotFoundError, NotFoundError):
@@ -193,10 +194,6 @@ async def watch(settings: NatsSettings, p: Pipeline, data_dir: str | Path, *,
     A pipeline whose status bucket does not exist (never provisioned) is ``idle``.
     Raises :class:`isbflow.isb.connect.IsbUnreachable` when the ISB service cannot be reached.
     """
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
-    from isbflow.isb.loss import detect_loss
-    from isbflow.isb.state import all_status
 
     alive = launch.alive() if launch is not None else None  # before the heartbeats are read
     nc = await connect(settings, name=f"isbflow-watchdog-{p.name}")

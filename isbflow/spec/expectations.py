@@ -37,6 +37,7 @@ _INTERNAL_FIELDS = frozenset({"id", "meta", "notes", "result_format", "descripti
 @functools.cache
 def registered_expectations() -> dict[str, type]:
     """GX's registered expectation classes by snake-case name."""
+    # lazy: great_expectations takes seconds to import; specs load in every command and DAG parse
     import great_expectations.expectations  # noqa: F401 - registers the core expectations
     from great_expectations.expectations.registry import _registered_expectations
 
@@ -102,6 +103,7 @@ def arguments(name: str) -> list[str]:
 
 def kwargs_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
     """What is wrong with ``kwargs`` for expectation ``name`` (empty: it constructs)."""
+    # lazy: great_expectations takes seconds to import; specs load in every command and DAG parse
     from great_expectations.compatibility.pydantic import ValidationError
 
     cls = registered_expectations()[name]

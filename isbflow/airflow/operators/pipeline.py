@@ -47,6 +47,8 @@ from isbflow.airflow.assets import emit_sink_events, sinks_alias
 from isbflow.airflow.hooks.jetstream import JetStreamHook
 from isbflow.airflow.operators.isb import as_bool, report_table
 from isbflow.airflow.pipelines import resolve_pipeline_file
+from isbflow.ops.connection import default_data_dir
+from isbflow.spec import SpecError, load_specs
 
 if TYPE_CHECKING:
     import logging
@@ -74,9 +76,6 @@ def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str 
     """Load the spec and find the ISB service (not with ``with_settings=False``: a task that needs
     none, e.g. sink maintenance, gets ``settings=None``); a bad name or spec fails the task without
     retries."""
-    from isbflow.ops.connection import default_data_dir
-    from isbflow.spec import SpecError, load_specs
-
     try:
         path = resolve_pipeline_file(pipeline_file, pipelines_dir or Path.cwd())
         specs = load_specs([path])
@@ -100,6 +99,7 @@ def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str 
 def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provision: bool,
                      log: logging.Logger) -> None:
     """Provision the buffers (when asked) and put the reference tables found in ``references_dir``."""
+    # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
     from isbflow.ops import pipeline as ops
 
     def missing(name: str, file: Path | None) -> None:
@@ -123,6 +123,7 @@ def _log_prepared(prepared, pipeline: str, log: logging.Logger) -> None:
 def _task_errors():
     """An unreachable ISB service or a failed driver may pass on retry; a bad spec, file or
     refused change fails the task without retries."""
+    # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
     from isbflow.ops import pipeline as ops
 
     try:
@@ -195,6 +196,7 @@ class PipelineStartOperator(_RunsDriver):
         self.startup_grace = startup_grace
 
     def execute(self, context: Any) -> dict:
+        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()
@@ -241,6 +243,7 @@ class PipelineDrainOperator(PipelineOperatorBase):
         self.exit_timeout = exit_timeout
 
     def execute(self, context: Any) -> dict:
+        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()
@@ -283,6 +286,7 @@ class PipelineBatchOperator(_RunsDriver):
         self.run_timeout = run_timeout
 
     def execute(self, context: Any) -> dict:
+        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()

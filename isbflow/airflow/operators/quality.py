@@ -30,7 +30,10 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.assets import sinks_from_events
+from isbflow.airflow.catalog import load_catalog
 from isbflow.airflow.operators.pipeline import PipelineOperatorBase, PipelineTarget, resolve_target
+from isbflow.ops.spark import SparkOnDemand
+from isbflow.spec.paths import DataDir
 
 
 def sink_list(value: Any) -> list[str] | None:
@@ -48,8 +51,6 @@ def sink_list(value: Any) -> list[str] | None:
 
 def sink_summary(report: Any, data_dir: Path) -> dict[str, Any]:
     """The XCom view of one :class:`~isbflow.quality.run.QualityReport`: verdict and where to read more."""
-    from isbflow.spec.paths import DataDir
-
     rel = f"{report.pipeline}/{report.sink}/{report.run_id}.json"
     root = DataDir(data_dir).quality_reports
     return {
@@ -82,8 +83,6 @@ class PipelineQualityOperator(PipelineOperatorBase):
 
     def targets(self, context: Any) -> list[tuple[PipelineTarget, list[str]]]:
         """The pipelines and sinks to check in this run (module docstring)."""
-        from isbflow.airflow.catalog import load_catalog
-
         named = sinks_from_events(context.get("triggering_asset_events")) if self.follow_assets else {}
         if named:
             self.log.info("triggered by sink asset events: %s", named)
@@ -107,10 +106,6 @@ class PipelineQualityOperator(PipelineOperatorBase):
         return [(t, wanted)]
 
     def execute(self, context: Any) -> dict:
-        from isbflow.ops.spark import (
-            SparkOnDemand,  # imports Spark: only at run time, never at DAG parse
-        )
-
         targets = self.targets(context)
         results: list[dict[str, Any]] = []
         skipped: list[dict[str, str]] = []
@@ -144,7 +139,8 @@ class PipelineQualityOperator(PipelineOperatorBase):
         return out
 
     def _check(self, spark: Any, t: PipelineTarget, sinks: list[str]) -> tuple[list[dict], list[dict]]:
-        from isbflow.ops import quality as ops_quality  # imports Spark: only at run time
+        # lazy: ops.quality loads pyarrow and the quality/ modules (~0.6 s); DAG parsing must not (it reruns every 30 s)
+        from isbflow.ops import quality as ops_quality
 
         p = t.pipeline
         try:

@@ -47,6 +47,7 @@ from isbflow.airflow.operators.isb import as_bool
 from isbflow.airflow.operators.pipeline import PipelineOperatorBase
 from isbflow.ops import replay as ops_replay
 from isbflow.ops.spark import SparkOnDemand
+from isbflow.spec.times import TimeExpressionError, resolve_range
 
 _EMPTY = ("", "none", "null")
 
@@ -107,8 +108,6 @@ def reference_times(context: Any) -> tuple[datetime, datetime]:
 def parse_range(from_offset: Any, to_offset: Any, from_time: Any, to_time: Any,
                 start: datetime, end: datetime) -> ReplayRange:
     """Check and resolve a replay range; a wrong one fails the task naming the field."""
-    from isbflow.spec.times import TimeExpressionError, resolve_range
-
     lo, hi = _offset("from_offset", from_offset), _offset("to_offset", to_offset)
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         raise AirflowFailException(f"from_offset {lo} is after to_offset {hi}")

@@ -47,6 +47,7 @@ class SinkMaintenanceOperator(PipelineOperatorBase):
         self.dry_run = dry_run
 
     def execute(self, context: Any) -> dict[str, Any]:
+        # lazy: ops.sinks loads pyspark and deltalake (~1.1-2.3 s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops.sinks import (
             DEFAULT_LOG_RETENTION_HOURS,
             DEFAULT_RETENTION_HOURS,

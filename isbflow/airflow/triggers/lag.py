@@ -17,6 +17,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from isbflow.airflow.hooks.jetstream import JetStreamHook
+from isbflow.spec import SpecError, load_specs
 
 
 def lag_event(lags: list[Any], max_lag: int) -> dict[str, Any]:
@@ -58,8 +59,8 @@ class PipelineLagTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        # lazy: ops.watch loads pyspark, deltalake and nats-py (~2 s); DAG parsing imports this via sensors/lag.py
         from isbflow.ops import watch
-        from isbflow.spec import SpecError, load_specs
 
         def problem(e: Exception) -> TriggerEvent:
             return TriggerEvent({"done": False, "problem": f"cannot watch the lag of pipeline {self.pipeline!r}: {e}"})

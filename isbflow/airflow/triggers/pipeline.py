@@ -23,7 +23,9 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from isbflow.airflow.hooks.jetstream import JetStreamHook
+from isbflow.ops import watch
 from isbflow.ops.watch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE
+from isbflow.spec import SpecError, load_specs
 
 
 class PipelineStateTrigger(BaseTrigger):
@@ -62,9 +64,6 @@ class PipelineStateTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from isbflow.ops import watch
-        from isbflow.spec import SpecError, load_specs
-
         launch = watch.LaunchRecord.from_json(self.launch) if self.launch else None
         try:
             specs = load_specs([self.spec_file])

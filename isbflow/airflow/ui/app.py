@@ -40,6 +40,9 @@ from isbflow.airflow.ui import URL_PREFIX, collect, render
 from isbflow.airflow.ui.auth import NotAuthenticated, login_url, require_user
 from isbflow.airflow.ui.models import PipelinesResponse, QualityResponse
 from isbflow.airflow.ui.runs import DRAIN_DAG, REPLAY_DAG, latest_for, latest_runs
+from isbflow.ops.connection import connect, default_data_dir
+from isbflow.ops.quality import UnsafeReportPath, report_path
+from isbflow.spec.paths import DataDir
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,6 @@ def page_csp(nonce: str) -> str:
 
 def data_dir() -> Path:
     """isbflow's data folder, found as every ``isbflow`` command finds it (``ISBFLOW_HOME``)."""
-    from isbflow.ops.connection import default_data_dir
-
     return default_data_dir().resolve()
 
 
@@ -83,6 +84,7 @@ class _SettingsCache:
         self._items: dict[str, tuple[float, Any]] = {}
 
     def get(self, service: Any) -> Any:
+        # lazy: hooks.jetstream imports Airflow (seconds); tests/airflow/test_ui_app.py builds the app without it
         from isbflow.airflow.hooks.jetstream import reader_settings
 
         key = service.name if service is not None else ""
@@ -121,8 +123,6 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
         return HTMLResponse(html, status_code=exc.status_code, headers=headers)
 
     async def pipelines_data(request: Request, pipeline: str | None, dag_id: str | None) -> PipelinesResponse:
-        from isbflow.ops.connection import connect
-
         _, ui = bases(request)
         directory = pipelines_dir(anchor_file)
         files = pipeline_files(directory)
@@ -166,8 +166,6 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
         directory = pipelines_dir(anchor_file)
         names = [p.name for s in collect.load_all(directory, pipeline_files(directory)) for p in s.pipelines]
         wanted = [pipeline] if pipeline else collect.report_pipelines(ddir, names)
-        from isbflow.spec.paths import DataDir
-
         return QualityResponse(reports_dir=str(DataDir(ddir).quality_reports),
                                sinks=collect.quality_runs(ddir, wanted, base, sink, limit))
 
@@ -220,8 +218,6 @@ def create_app(url_prefix: str = URL_PREFIX, anchor: str | Path | None = None,
 
 def resolve_report(path: str) -> Path:
     """The stored report file ``path`` names; 400 when it would leave the reports folder, else 404."""
-    from isbflow.ops.quality import UnsafeReportPath, report_path
-
     try:
         target = report_path(data_dir(), path)
     except UnsafeReportPath as e:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.security.utils import get_authorization_scheme_param
 
 FORBIDDEN_DETAIL = "your Airflow user may not read DAGs"
 
@@ -33,6 +35,7 @@ class NotAuthenticated(Exception):
 
 def auth_manager() -> Any:
     """The api-server's auth manager (created and initialized here when nothing did yet)."""
+    # lazy: Airflow's api_fastapi (seconds); tests/airflow/test_ui_app.py builds the app without Airflow
     from airflow.api_fastapi.app import get_auth_manager, init_auth_manager
 
     try:
@@ -42,9 +45,6 @@ def auth_manager() -> Any:
 
 
 def _bearer(request: Request) -> Any:
-    from fastapi.security import HTTPAuthorizationCredentials
-    from fastapi.security.utils import get_authorization_scheme_param
-
     scheme, token = get_authorization_scheme_param(request.headers.get("Authorization"))
     if scheme.lower() == "bearer" and token:
         return HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
@@ -53,6 +53,7 @@ def _bearer(request: Request) -> Any:
 
 async def require_user(request: Request) -> Any:
     """The authenticated Airflow user allowed to read DAGs; NotAuthenticated (401/403) otherwise."""
+    # lazy: Airflow's api_fastapi (seconds); tests/airflow/test_ui_app.py builds the app without Airflow
     from airflow.api_fastapi.core_api.security import get_user
 
     am = auth_manager()

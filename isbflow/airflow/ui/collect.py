@@ -26,10 +26,12 @@ from isbflow.airflow.ui.models import (
     SinkRuns,
     StepView,
 )
+from isbflow.ops import quality as reports
 from isbflow.ops import status
 from isbflow.ops.status import LIVE_STATES, StepStatus, naming
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.models import Pipeline
+from isbflow.spec.paths import DataDir
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +173,6 @@ def one_line(e: BaseException) -> str:
 
 def report_pipelines(data_dir: Path, names: list[str]) -> list[str]:
     """Pipelines to list reports for: those of the specs plus any with a reports folder."""
-    from isbflow.spec.paths import DataDir
-
     root = DataDir(data_dir).quality_reports
     found = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")} if root.is_dir() else set()
     return sorted(set(names) | found)
@@ -185,8 +185,6 @@ def _segments_url(base: str, *parts: str) -> str:
 def quality_runs(data_dir: Path, pipelines: list[str], base: str, sink: str | None = None,
                  limit: int = 20) -> list[SinkRuns]:
     """Per pipeline and sink, its newest ``limit`` quality runs, newest first."""
-    from isbflow.ops import quality as reports
-
     out: list[SinkRuns] = []
     for name in pipelines:
         try:

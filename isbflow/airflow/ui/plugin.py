@@ -50,6 +50,8 @@ class LazyApp:
         if self._app is None:
             with self._lock:
                 if self._app is None:
+                    # lazy: the app pulls FastAPI, Jinja and the spec models; Airflow imports this plugin in every
+                    # task process (module docstring), only the api-server serves it
                     from isbflow.airflow.ui.app import create_app
 
                     self._app = create_app(self.url_prefix, anchor=self.anchor, **self.kwargs)

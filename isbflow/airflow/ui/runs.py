@@ -43,6 +43,7 @@ def latest_runs(dag_ids: Iterable[str], files: list[str], ui_base: str,
 
     Raises whatever the metadata DB raises; the caller shows it.
     """
+    # lazy: Airflow's ORM, there only inside the api-server; tests/airflow/test_ui_app.py builds the app without it
     from airflow.models.dagrun import DagRun
     from airflow.utils.session import create_session
     from sqlalchemy import select
