@@ -27,7 +27,7 @@ seconds records:
 Then, in a child process (its own SparkSession, :func:`isbflow.steps.session.spark_session`
 as the driver has), the two floors at each rate: as many queries as the demo has, each reading
 the rate (Spark's built-in ``rate`` source, ``rowsPerSecond``; and :class:`CounterSource`, a
-trivial Python ``DataSourceStreamReader``: one partition, rows from a counter) into ``noop``
+trivial Python ``DataSourceStreamReader`` in ``bench/cost_floors.py``: one partition, rows from a counter) into ``noop``
 with the same trigger; the same figures from the child's tree (its micro-batches from each
 query's progress) and Spark's per-batch ``durationMs`` summed per phase. ``ratios``: the demo's
 CPU per micro-batch over each floor's. ``--curve`` runs the demo again at 100 events/s
@@ -53,8 +53,12 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# the floors' Python source (bench/cost_floors.py) is imported by Spark's Python workers
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(BENCH), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 import _common as cm  # noqa: E402
+import cost_profile  # noqa: E402
 from _common import log  # noqa: E402
 from soak import batches_per_query, tree_cpu_seconds  # noqa: E402
 
@@ -233,9 +237,10 @@ def launch_and_wait(args, specs, p, settings, work: Path, trigger: str | None, p
     from isbflow.steps.launch import stop_launch
 
     for attempt in range(3):
+        env = {"SPARK_CONF_DIR": str(cost_profile.progress_conf_dir())} if args.profile else None
         record = ops.start(SPEC, specs, p, settings, work, workdir=ROOT, provision=provision and attempt == 0,
                            references_dir=SPEC.parent / ops.REFERENCE_DIR, processing_time=trigger,
-                           progress=log).launch
+                           progress=log, env=env).launch
         log(f"driver pid {record.pid} (trigger {trigger or 'the spec'}), log {record.log}")
         producer.rate = rate
         if not producer.started:
@@ -283,6 +288,12 @@ def run_demo(args, result: dict) -> int:
             if producer.error is not None:
                 raise RuntimeError(f"the producer failed: {producer.error!r}")
             result["rates"].append({"rate": rate, "demo": w})
+            if args.profile:
+                t1 = time.time()
+                w["duration_ms_per_batch"] = cost_profile.phase_means(
+                    cost_profile.progress_from_log(record.log, t1 - args.window, t1))
+                log(f"py-spy on the driver tree's Python processes for {args.profile:g}s")
+                w["pyspy"] = cost_profile.pyspy_top(cm.descendants(record.pid), args.profile)
             queries = w["queries"]
             log(f"demo {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch, "
                 f"p50 {w['latency_p50_s']} s, pss {w['pss_mean_bytes'] >> 20} MiB, load {w['load_average_mean']}")
@@ -311,92 +322,6 @@ def run_demo(args, result: dict) -> int:
 
 
 # ------------------------------------------------------------------ the floors (child process)
-
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition  # noqa: E402
-
-
-class CounterReader(DataSourceStreamReader):
-    """One partition; offset = rows the rate has produced since the reader was made."""
-
-    def __init__(self, rate: float):
-        self.rate, self.t0 = rate, time.time()
-
-    def initialOffset(self) -> dict:
-        return {"n": 0}
-
-    def latestOffset(self) -> dict:
-        return {"n": int((time.time() - self.t0) * self.rate)}
-
-    def partitions(self, start: dict, end: dict) -> list:
-        return [InputPartition((start["n"], end["n"]))]
-
-    def read(self, partition):
-        lo, hi = partition.value
-        for i in range(lo, hi):
-            yield (i,)
-
-    def commit(self, end: dict) -> None:
-        pass
-
-
-class CounterSource(DataSource):
-    """``format("isb-bench-counter")``, option ``rate``: the trivial Python streaming source floor."""
-
-    @classmethod
-    def name(cls) -> str:
-        return "isb-bench-counter"
-
-    def schema(self) -> str:
-        return "value BIGINT"
-
-    def streamReader(self, schema) -> CounterReader:
-        return CounterReader(float(self.options.get("rate", 100)))
-
-
-def floors_child(cfg: dict) -> dict:
-    """In the child: every floor kind at every rate; its own tree's figures per window."""
-    from isbflow.steps.session import spark_session
-
-    spark = spark_session(app_name="isbflow-bench-cost-floor")
-    spark.dataSource.register(CounterSource)
-    out: dict = {}
-    for rate in cfg["rates"]:
-        for kind in ("rate", "python"):
-            log(f"floor {kind} at {rate:g}/s: {cfg['queries']} queries")
-            qs = []
-            for i in range(cfg["queries"]):
-                src = (spark.readStream.format("rate").option("rowsPerSecond", str(int(rate)))
-                       .option("numPartitions", "1") if kind == "rate"
-                       else spark.readStream.format("isb-bench-counter").option("rate", str(rate))).load()
-                qs.append(src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
-                          .trigger(processingTime=cfg["trigger"]).start())
-            time.sleep(cfg["warmup"])
-            sampler = Sampler(os.getpid(), cfg["sample_every"])
-            t0, cpu0 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
-            ids0 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
-            time.sleep(cfg["window"])
-            t1, cpu1 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
-            ids1 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
-            mem = sampler.stop()
-            phases: dict[str, int] = {}
-            rows = 0
-            for q in qs:
-                for prog in q.recentProgress:
-                    if prog["batchId"] > ids0[qs.index(q)] and prog["batchId"] <= ids1[qs.index(q)]:
-                        rows += prog["numInputRows"]
-                        for k, v in prog["durationMs"].items():
-                            phases[k] = phases.get(k, 0) + v
-                q.stop()
-            batches = sum(b - a for a, b in zip(ids0, ids1, strict=True))
-            w = window_figures(cpu1 - cpu0, t1 - t0, int(rate * (t1 - t0)), batches)
-            w.update(mem, rows_per_query_per_s=round(rows / cfg["queries"] / (t1 - t0), 1),
-                     batches_per_query_per_s=round(min(b - a for a, b in zip(ids0, ids1, strict=True)) / (t1 - t0), 3),
-                     duration_ms_per_batch={k: round(v / batches, 1) for k, v in phases.items()} if batches else {})
-            out.setdefault(str(rate), {})[kind] = w
-            log(f"floor {kind} {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch")
-    out["child_cpu_s"] = tree_cpu_seconds(cm.descendants(os.getpid()))
-    spark.stop()
-    return out
 
 
 def run_floors(args, queries: int) -> dict:
@@ -483,11 +408,16 @@ def main() -> None:
     ap.add_argument("--curve", default="", help="trigger intervals in seconds for the curve, e.g. 0.2,1,5")
     ap.add_argument("--curve-rate", type=float, default=100.0)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors")
+    ap.add_argument("--profile", type=float, default=0.0,
+                    help="seconds of py-spy after each window; the driver logs every query's progress (INFO) for "
+                         "Spark's durationMs per phase, which costs CPU itself: a run of its own")
     ap.add_argument("--sample-every", type=float, default=2.0, help="seconds between memory samples")
     ap.add_argument("--floors-child", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(BENCH / "results" / "cost.json"))
     args = ap.parse_args()
     if args.floors_child:
+        from cost_floors import floors_child
+
         Path(args.out).write_text(json.dumps(floors_child(json.loads(args.floors_child))))
         return
     args.rates = [float(x) for x in (args.rates or ("100" if args.quick else "100,1000,10000")).split(",")]
@@ -498,7 +428,7 @@ def main() -> None:
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": [], "curve": [],
                     "harness_cpu_s": {"drivers": 0.0},
                     "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "trigger", "curve",
-                                                             "curve_rate", "sample_every")}
+                                                             "curve_rate", "sample_every", "profile")}
                     | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]"}}
     floors = None
     try:
