@@ -67,6 +67,8 @@ GIB = 1 << 30
 KEPT_UP = 0.9
 #: seconds the pipeline may take to commit a first batch in every query (Spark's start on a loaded machine)
 STARTUP_S = 900.0
+#: launches of the driver before the run gives up on a start-up
+LAUNCHES = 5
 
 
 # ------------------------------------------------------------------ sampling
@@ -230,13 +232,14 @@ def demo_window(work: Path, record, producer: Producer, pipeline: str, raw: Path
 
 def launch_and_wait(args, specs, p, settings, work: Path, trigger: str | None, provision: bool,
                     producer: Producer, rate: float):
-    """The detached driver, once every query has committed a first batch (relaunched at most twice
-    when it exits before that: a query out of restarts on a loaded machine); the producer starts
+    """The detached driver, once every query has committed a first batch (relaunched at most
+    :data:`LAUNCHES` - 1 times when it exits before that: a query out of restarts while the loaded
+    machine could not start its Python workers within Spark's 10 s); the producer starts
     at ``rate`` once the buffers are provisioned."""
     from isbflow.ops import pipeline as ops
     from isbflow.steps.launch import stop_launch
 
-    for attempt in range(3):
+    for attempt in range(LAUNCHES):
         env = {"SPARK_CONF_DIR": str(cost_profile.progress_conf_dir())} if args.profile else None
         record = ops.start(SPEC, specs, p, settings, work, workdir=ROOT, provision=provision and attempt == 0,
                            references_dir=SPEC.parent / ops.REFERENCE_DIR, processing_time=trigger,
@@ -255,7 +258,7 @@ def launch_and_wait(args, specs, p, settings, work: Path, trigger: str | None, p
             stop_launch(work, record.key, grace=20)
             raise RuntimeError(f"some query committed no batch in {STARTUP_S:.0f}s; see {record.log}")
         log(f"the driver exited before every query committed a batch: {record.log_tail(3)}")
-    raise RuntimeError(f"the driver exited 3 times before every query committed a batch: {record.log_tail()}")
+    raise RuntimeError(f"the driver exited {LAUNCHES} times before every query committed a batch: {record.log_tail()}")
 
 
 def run_demo(args, result: dict) -> int:

@@ -71,6 +71,9 @@ def floors_child(cfg: dict) -> dict:
                        else spark.readStream.format("isb-bench-counter").option("rate", str(rate))).load()
                 qs.append(src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
                           .trigger(processingTime=cfg["trigger"]).start())
+            deadline = time.time() + 900  # every query's first batch (its Python workers started on a loaded machine)
+            while time.time() < deadline and not all((q.lastProgress or {}).get("batchId", -1) >= 1 for q in qs):
+                time.sleep(1)
             time.sleep(cfg["warmup"])
             sampler = Sampler(os.getpid(), cfg["sample_every"])
             t0, cpu0 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
