@@ -64,15 +64,21 @@ def floors_child(cfg: dict) -> dict:
     for rate in cfg["rates"]:
         for kind in ("rate", "python"):
             log(f"floor {kind} at {rate:g}/s: {cfg['queries']} queries")
-            qs = []
-            for i in range(cfg["queries"]):
+            def start(i: int, kind=kind, rate=rate):
                 src = (spark.readStream.format("rate").option("rowsPerSecond", str(int(rate)))
                        .option("numPartitions", "1") if kind == "rate"
                        else spark.readStream.format("isb-bench-counter").option("rate", str(rate))).load()
-                qs.append(src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
-                          .trigger(processingTime=cfg["trigger"]).start())
+                return (src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
+                        .trigger(processingTime=cfg["trigger"]).start())
+
+            qs = [start(i) for i in range(cfg["queries"])]
+            restarts = 0
             deadline = time.time() + 900  # every query's first batch (its Python workers started on a loaded machine)
             while time.time() < deadline and not all((q.lastProgress or {}).get("batchId", -1) >= 1 for q in qs):
+                for i, q in enumerate(qs):
+                    if not q.isActive and restarts < 20:  # failed: "Python worker failed to connect back" (load)
+                        restarts += 1
+                        qs[i] = start(i)
                 time.sleep(1)
             time.sleep(cfg["warmup"])
             sampler = Sampler(os.getpid(), cfg["sample_every"])
@@ -93,7 +99,7 @@ def floors_child(cfg: dict) -> dict:
                 q.stop()
             batches = sum(b - a for a, b in zip(ids0, ids1, strict=True))
             w = window_figures(cpu1 - cpu0, t1 - t0, int(rate * (t1 - t0)), batches)
-            w.update(mem, rows_per_query_per_s=round(rows / cfg["queries"] / (t1 - t0), 1),
+            w.update(mem, restarts=restarts, rows_per_query_per_s=round(rows / cfg["queries"] / (t1 - t0), 1),
                      batches_per_query_per_s=round(min(b - a for a, b in zip(ids0, ids1, strict=True)) / (t1 - t0), 3),
                      duration_ms_per_batch={k: round(v / batches, 1) for k, v in phases.items()} if batches else {})
             out.setdefault(str(rate), {})[kind] = w
