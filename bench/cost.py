@@ -8,7 +8,8 @@ Starts its own embedded nats-server (temporary data dir, stopped by PID at the e
 start`` (:func:`isbflow.ops.pipeline.start`), with the spec's trigger (``limits.readTimeout``,
 default 1 s) unless ``--trigger`` overrides it. A producer publishes each rate in turn
 (ascending; one driver for all rates); per rate, after ``--warmup`` seconds (the first rate:
-after every query has committed a batch, then the warm-up), a measured window of ``--window``
+after every query has committed a batch and what was produced meanwhile is in the raw sink,
+then the warm-up), a measured window of ``--window``
 seconds records:
 
 - ``cpu_s``: CPU seconds (user + system, reaped children included) of the driver's whole
