@@ -254,7 +254,7 @@ def launch_and_wait(args, specs, p, settings, work: Path, trigger: str | None, p
     from isbflow.steps.launch import stop_launch
 
     for attempt in range(LAUNCHES):
-        env = {"SPARK_CONF_DIR": str(cost_profile.progress_conf_dir())} if args.profile else None
+        env = {"SPARK_CONF_DIR": str(args.spark_conf_dir)} if args.spark_conf_dir else None
         record = ops.start(SPEC, specs, p, settings, work, workdir=ROOT, provision=provision and attempt == 0,
                            references_dir=SPEC.parent / ops.REFERENCE_DIR, processing_time=trigger,
                            progress=log, env=env).launch
@@ -289,6 +289,7 @@ def run_demo(args, result: dict) -> int:
     raw = Path(sink_table_path(p, "raw", work))
     nats_started, record, producer = False, None, None
     queries, t_start = 0, time.time()
+    args.spark_conf_dir = cost_profile.progress_conf_dir() if args.profile else None
     try:
         start_embedded(work)
         nats_started = True
@@ -337,6 +338,8 @@ def run_demo(args, result: dict) -> int:
             except Exception as e:  # noqa: BLE001 - go on to the next
                 log(f"stopping the {what}: {e!r}")
         shutil.rmtree(work, ignore_errors=True)
+        if args.spark_conf_dir:
+            shutil.rmtree(args.spark_conf_dir, ignore_errors=True)
     return queries
 
 
