@@ -1,0 +1,109 @@
+"""The floors of ``bench/cost.py`` (run in its child process): as many queries as the demo has, each
+reading the rate into ``noop`` with the demo's trigger, from Spark's built-in ``rate`` source and from
+:class:`CounterSource`, a trivial Python streaming data source (one partition, rows from a counter).
+Spark's Python workers import this module (``PYTHONPATH`` holds ``bench/``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import _common as cm
+from _common import log
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from soak import tree_cpu_seconds
+
+
+class CounterReader(DataSourceStreamReader):
+    """One partition; offset = rows the rate has produced since the reader was made."""
+
+    def __init__(self, rate: float):
+        self.rate, self.t0 = rate, time.time()
+
+    def initialOffset(self) -> dict:
+        return {"n": 0}
+
+    def latestOffset(self) -> dict:
+        return {"n": int((time.time() - self.t0) * self.rate)}
+
+    def partitions(self, start: dict, end: dict) -> list:
+        return [InputPartition((start["n"], end["n"]))]
+
+    def read(self, partition):
+        lo, hi = partition.value
+        for i in range(lo, hi):
+            yield (i,)
+
+    def commit(self, end: dict) -> None:
+        pass
+
+
+class CounterSource(DataSource):
+    """``format("isb-bench-counter")``, option ``rate``: the trivial Python streaming source floor."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "isb-bench-counter"
+
+    def schema(self) -> str:
+        return "value BIGINT"
+
+    def streamReader(self, schema) -> CounterReader:
+        return CounterReader(float(self.options.get("rate", 100)))
+
+
+def floors_child(cfg: dict) -> dict:
+    """In the child: every floor kind at every rate; its own tree's figures per window."""
+    from cost import Sampler, window_figures
+
+    from isbflow.steps.session import spark_session
+
+    spark = spark_session(app_name="isbflow-bench-cost-floor")
+    spark.dataSource.register(CounterSource)
+    out: dict = {}
+    for rate in cfg["rates"]:
+        for kind in ("rate", "python"):
+            log(f"floor {kind} at {rate:g}/s: {cfg['queries']} queries")
+            def start(i: int, kind=kind, rate=rate):
+                src = (spark.readStream.format("rate").option("rowsPerSecond", str(int(rate)))
+                       .option("numPartitions", "1") if kind == "rate"
+                       else spark.readStream.format("isb-bench-counter").option("rate", str(rate))).load()
+                return (src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
+                        .trigger(processingTime=cfg["trigger"]).start())
+
+            qs = [start(i) for i in range(cfg["queries"])]
+            restarts = 0
+            deadline = time.time() + 900  # every query's first batch (its Python workers started on a loaded machine)
+            while time.time() < deadline and not all((q.lastProgress or {}).get("batchId", -1) >= 1 for q in qs):
+                for i, q in enumerate(qs):
+                    if not q.isActive and restarts < 20:  # failed: "Python worker failed to connect back" (load)
+                        restarts += 1
+                        qs[i] = start(i)
+                time.sleep(1)
+            time.sleep(cfg["warmup"])
+            sampler = Sampler(os.getpid(), cfg["sample_every"])
+            t0, cpu0 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
+            ids0 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
+            time.sleep(cfg["window"])
+            t1, cpu1 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
+            ids1 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
+            mem = sampler.stop()
+            phases: dict[str, int] = {}
+            rows = 0
+            for q in qs:
+                for prog in q.recentProgress:
+                    if prog["batchId"] > ids0[qs.index(q)] and prog["batchId"] <= ids1[qs.index(q)]:
+                        rows += prog["numInputRows"]
+                        for k, v in prog["durationMs"].items():
+                            phases[k] = phases.get(k, 0) + v
+                q.stop()
+            batches = sum(b - a for a, b in zip(ids0, ids1, strict=True))
+            w = window_figures(cpu1 - cpu0, t1 - t0, int(rate * (t1 - t0)), batches)
+            w.update(mem, restarts=restarts, rows_per_query_per_s=round(rows / cfg["queries"] / (t1 - t0), 1),
+                     batches_per_query_per_s=round(min(b - a for a, b in zip(ids0, ids1, strict=True)) / (t1 - t0), 3),
+                     duration_ms_per_batch={k: round(v / batches, 1) for k, v in phases.items()} if batches else {})
+            out.setdefault(str(rate), {})[kind] = w
+            log(f"floor {kind} {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch")
+    out["child_cpu_s"] = tree_cpu_seconds(cm.descendants(os.getpid()))
+    spark.stop()
+    return out
