@@ -38,6 +38,14 @@ def postgres_target(runner, v: Vertex, mode: str, keys: Sequence[str] | None,
                           ledger_settings=runner.settings_json)
 
 
+def fallback_target(runner, v: Vertex) -> PostgresTarget:
+    """The settings of sink ``v``'s PostgreSQL fallback table: the primary's app id, keyed on ``_isb_id``,
+    append only (:class:`isbflow.sinks.fallback.PostgresFallback`)."""
+    assert v.sink is not None and v.sink.fallback is not None and v.sink.fallback.postgres is not None
+    return PostgresTarget(sink=v.name, spec=v.sink.fallback.postgres, app_id=runner.sink_app_id(v.name),
+                          data_dir=str(runner.data_dir), pipeline=runner.p.name)
+
+
 def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: Sequence[str] | None,
                     upsert: Sequence[str] | None) -> PostgresBatchWriter:
     """The sink's ``foreachBatch`` function; checks now that the server answers (a clear
