@@ -10,6 +10,7 @@ so a fresh checkpoint after a recovery is not taken for batches already held.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -23,6 +24,8 @@ from isbflow.sinks.postgres import (
 from isbflow.spec.models import Vertex
 from isbflow.steps.restart import StepError
 from isbflow.steps.update import VERSION_COLUMN
+
+log = logging.getLogger(__name__)
 
 
 def postgres_target(runner, v: Vertex, mode: str, keys: Sequence[str] | None,
@@ -54,7 +57,10 @@ def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: 
     try:
         writer.check(columns)
     except PostgresSinkError as e:
-        raise StepError(f"step {v.name!r}: {e}") from None
+        if v.sink.retryStrategy is None or "cannot connect" not in str(e):
+            raise StepError(f"step {v.name!r}: {e}") from None
+        # the sink's retryStrategy owns a server that is down: its batches are retried (or fall back)
+        log.warning("step %s: %s; its batches follow the sink's retryStrategy", v.name, e)
     return writer
 
 
