@@ -141,7 +141,8 @@ class SinkPolicy:
                 if self.strategy is None:
                     raise
                 self._add(PolicyTotals(retries=1), True)
-                self.error = f"batch {batch_id}, attempt {attempt}: {str(e).splitlines()[0] if str(e) else e!r}"
+                first = str(e).splitlines()[0] if str(e) else repr(e)
+                self.error = f"batch {batch_id}, attempt {attempt}: {first}"
                 steps, action = self.strategy.backoff.steps, self.strategy.onFailure
                 if steps is not None and attempt % steps == 0 and action != OnFailure.RETRY:
                     self._give_up(df, batch_id, attempt, str(e), action, counts)
@@ -213,6 +214,8 @@ class SinkPolicy:
 
         if ledger.ID_COLUMN not in df.columns or not held:
             return df
+        if len(set(held)) >= df.count():  # a replay re-reads the same rows: the fallback took them all
+            return None
         rest = df.filter(~F.col(ledger.ID_COLUMN).isin(held))
         return rest if not rest.isEmpty() else None
 

@@ -124,7 +124,7 @@ def running_postgres(db: str = DB, user: str = USER) -> Iterator[Postgres]:
     folder = Path(tempfile.mkdtemp(prefix="isbflow-pg-"))
     pg = None
     try:
-        data, pwfile, log = folder / "data", folder / "pwfile", folder / "postgres.log"
+        data, pwfile = folder / "data", folder / "pwfile"
         password = secrets.token_urlsafe(18)
         fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
