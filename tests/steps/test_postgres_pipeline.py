@@ -18,11 +18,14 @@ from decimal import Decimal
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 from deltalake import DeltaTable
 
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb.connect import connect
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.quality.basis import read_ledger_basis
 from isbflow.quality.run import run_quality
 from isbflow.recovery.plan import plan_recover
@@ -228,3 +231,82 @@ def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://a:b@h/airflow", "HOME": "/root"}
     assert sink_connections(p, base) == {"AIRFLOW_CONN_PG_SINKS": "postgres://u:p@h/d"}
     assert sink_connections(p, {}) == {}  # not defined: the sink's own error names the variable
+
+
+POLICY = """\
+          connection: pg_sinks
+        retryStrategy:
+          backoff:
+            interval: 10ms
+            steps: 2
+          onFailure: fallback
+        fallback:
+          delta:
+            path: sinks/events-failed
+"""
+
+
+def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(spark, nats_server, pg_conn,
+                                                                              tmp_path):
+    """The sink ``events`` with Numaflow's retryStrategy (2 attempts, then fallback) and a Delta fallback.
+    Records 1..20 land in PostgreSQL; the server stops; 21..40 are tried twice per batch and go to the
+    fallback with reason and attempts; a fallback batch replayed (its checkpoint commit removed) with
+    the server back writes nothing anywhere; 41..50 land in PostgreSQL again, but for 47, which a
+    CHECK constraint refuses alone: it goes to the fallback with the server's reason. In the end the
+    table + the fallback + the dead letters (2 malformed events) == what was produced, no id twice."""
+    pg, settings = pg_conn, nats_server.settings
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.read_text().replace("          connection: pg_sinks\n", POLICY))
+    specs = load_specs(spec)
+    asyncio.run(provision.apply(settings, specs))
+    p, only = specs.only_pipeline(), ["in", "shape", "events"]
+    fallback = tmp_path / "sinks" / "events-failed"
+
+    asyncio.run(_publish(settings, range(1, 21), malformed=2))
+    run(spark, specs, p, settings, tmp_path, only=only)
+    assert query(pg, "SELECT count(*) FROM landing.events") == [(20,)]
+    try:
+        pg.stop()
+        asyncio.run(_publish(settings, range(21, 41)))
+        down = run(spark, specs, p, settings, tmp_path, only=only)["events"]
+        held = DeltaTable(str(fallback)).to_pyarrow_table()
+        assert sorted(held.column("n").to_pylist()) == list(range(21, 41))
+        assert set(held.column("_isb_attempts").to_pylist()) == {2} and set(held.column("_isb_app").to_pylist()) \
+            == {"pgsink/events"}
+        assert all("2 attempts failed, the last:" in e and "cannot connect" in e
+                   for e in held.column("_isb_error").to_pylist())
+        batches = sorted(set(held.column("_isb_batch").to_pylist()))
+        assert len(batches) == 2  # readBatchSize 10: two batches, each tried twice
+        assert (down.sink_retries, down.fallback_total, down.dropped_total, down.sink_error) == (4, 20, 0, None)
+
+        # the last fallback batch replayed with the server back: the fallback holds it, nothing is written
+        commits = Path(DataDir(tmp_path).checkpoint(p.name, "events", None)) / "commits"
+        for f in (commits / str(batches[-1]), commits / f".{batches[-1]}.crc"):
+            f.unlink(missing_ok=True)
+    finally:
+        if pg.proc.poll() is not None:
+            pg.start()
+    replay = run(spark, specs, p, settings, tmp_path, only=["events"])["events"]
+    assert (commits / str(batches[-1])).exists()  # Spark did run it again
+    assert query(pg, "SELECT count(*) FROM landing.events") == [(20,)]
+    assert DeltaTable(str(fallback)).to_pyarrow_dataset().count_rows() == 20
+    assert (replay.sink_retries, replay.fallback_total) == (4, 20)  # the totals outlive the driver
+
+    # the server is back: the step goes on; a row the table refuses alone goes to the fallback
+    query(pg, "ALTER TABLE landing.events ADD CONSTRAINT no_47 CHECK (n <> 47)")
+    asyncio.run(_publish(settings, range(41, 51)))
+    up = run(spark, specs, p, settings, tmp_path, only=only)["events"]
+    primary = {i for (i,) in query(pg, "SELECT _isb_id FROM landing.events")}
+    held = DeltaTable(str(fallback)).to_pyarrow_table()
+    assert sorted(n for (n,) in query(pg, "SELECT n FROM landing.events")) == [
+        *range(1, 21), *range(41, 47), *range(48, 51)]
+    refused = held.filter(pa.compute.equal(held.column("n"), 47))
+    assert refused.num_rows == 1 and "no_47" in refused.column("_isb_error")[0].as_py()
+    assert refused.column("_isb_attempts")[0].as_py() == 1
+    assert (up.fallback_total, up.refused_total, up.sink_retries) == (21, 1, 4)
+    letters = asyncio.run(read_dead_letters(settings, p.name))
+    in_fallback = held.column("_isb_id").to_pylist()
+    assert len(primary) + len(in_fallback) + len(letters) == 52  # 50 events and 2 malformed ones
+    assert not primary & set(in_fallback) and len(set(in_fallback)) == len(in_fallback)
+    # the ledger has every event's offset: those in the table and those in the fallback
+    assert sum(ledger.count(r) for r in asyncio.run(_ledger(settings, p.name))["events"].values()) == 50
