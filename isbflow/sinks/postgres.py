@@ -18,7 +18,10 @@ driver once per micro-batch, brings the batch's rows to the driver as Arrow
    ``INSERT ... SELECT``: ``ON CONFLICT (key) DO NOTHING`` (``append``, and
    ``merge`` for recovery: a row whose key the table holds is not inserted again)
    or ``DO UPDATE`` (``upsert``: the sink of a ``udf.output: update`` step, the
-   latest ``versionColumn`` per key);
+   latest ``versionColumn`` per key). Rows the table refuses one by one (a constraint
+   violation, a value that does not fit its column) are found by bisecting the batch under
+   savepoints (:mod:`isbflow.sinks.pg_write`) and handed to ``on_refused`` (the sink's failure
+   policy: its fallback or the dead letters) before the rest commits;
 4. inserts the bookkeeping row ``(app_id, target, batch_id, sink, rows, written, offsets)``
    (``rows`` the batch offered, ``written`` those inserted or updated: recovery's merge stats); the
    offsets are the batch's source ranges (:func:`isbflow.isb.ledger.id_ranges`
