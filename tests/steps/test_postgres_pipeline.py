@@ -26,13 +26,15 @@ from deltalake import DeltaTable
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb.connect import connect
 from isbflow.isb.dlq import read_dead_letters
+from isbflow.isb.state import StepStatus
 from isbflow.quality.basis import read_ledger_basis
 from isbflow.quality.run import run_quality
 from isbflow.recovery.plan import plan_recover
 from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
-from isbflow.steps.pg_sink import sink_connections
+from isbflow.steps import sink_policy
+from isbflow.steps.pg_sink import postgres_writer, sink_connections
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers.postgres import HOST, Postgres, running_postgres
@@ -248,65 +250,88 @@ POLICY = """\
 
 def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(spark, nats_server, pg_conn,
                                                                               tmp_path):
-    """The sink ``events`` with Numaflow's retryStrategy (2 attempts, then fallback) and a Delta fallback.
-    Records 1..20 land in PostgreSQL; the server stops; 21..40 are tried twice per batch and go to the
-    fallback with reason and attempts; a fallback batch replayed (its checkpoint commit removed) with
-    the server back writes nothing anywhere; 41..50 land in PostgreSQL again, but for 47, which a
-    CHECK constraint refuses alone: it goes to the fallback with the server's reason. In the end the
-    table + the fallback + the dead letters (2 malformed events) == what was produced, no id twice."""
+    """The sink ``events`` with Numaflow's retryStrategy (2 attempts, then fallback) and a Delta fallback,
+    its ``foreachBatch`` function (the runner's, under the sink policy) driven with DataFrames of the
+    session's Spark, batch by batch as a query would: real PostgreSQL, NATS (ledger, dead letters).
+
+    Batch 0 lands in PostgreSQL; the server stops; batches 1 and 2 are tried twice each and go to the
+    fallback with reason and attempts; batch 2 replayed (Spark re-runs a batch whose checkpoint commit
+    did not land) with the server back writes nothing anywhere; batch 3 lands again but for 37, which a
+    CHECK refuses alone: it goes to the fallback with the server's reason. The same sink without a
+    fallback dead-letters the row it refuses (47). Table + fallback + dead letters == produced, no id
+    twice, and the ledger holds every offset. (The runner's wiring of the policy into a query runs in
+    every other test of this file.)"""
     pg, settings = pg_conn, nats_server.settings
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.read_text().replace("          connection: pg_sinks\n", POLICY))
     specs = load_specs(spec)
     asyncio.run(provision.apply(settings, specs))
-    p, only = specs.only_pipeline(), ["in", "shape", "events"]
+    p = specs.only_pipeline()
     fallback = tmp_path / "sinks" / "events-failed"
+    cols = "n INT, service STRING, _isb_id STRING"
 
-    asyncio.run(_publish(settings, range(1, 21), malformed=2))
-    run(spark, specs, p, settings, tmp_path, only=only)
-    assert query(pg, "SELECT count(*) FROM landing.events") == [(20,)]
+    def batch(ns):
+        return spark.createDataFrame([(n, f"s{n % 3}", f"in/0/{n}") for n in ns], cols)
+
+    def sink(specs_):
+        runner = PipelineRunner(spark, specs_, specs_.only_pipeline(), settings, tmp_path)
+        v = runner.p.vertex("events")
+        return runner, sink_policy.policy_for(runner, v, postgres_writer(runner, v, ["n", "service", "_isb_id"],
+                                                                         "append", None, None))
+
+    runner, write = sink(specs)
     try:
-        pg.stop()
-        asyncio.run(_publish(settings, range(21, 41)))
-        down = run(spark, specs, p, settings, tmp_path, only=only)["events"]
+        write(batch(range(1, 11)), 0)
+        assert query(pg, "SELECT count(*) FROM landing.events") == [(10,)]
+        try:
+            pg.stop()
+            write(batch(range(11, 21)), 1)
+            write(batch(range(21, 31)), 2)
+        finally:
+            pg.start()
         held = DeltaTable(str(fallback)).to_pyarrow_table()
-        assert sorted(held.column("n").to_pylist()) == list(range(21, 41))
-        assert set(held.column("_isb_attempts").to_pylist()) == {2} and set(held.column("_isb_app").to_pylist()) \
-            == {"pgsink/events"}
+        assert sorted(held.column("n").to_pylist()) == list(range(11, 31))
+        assert set(held.column("_isb_attempts").to_pylist()) == {2} and sorted(set(held.column("_isb_batch")
+                                                                                  .to_pylist())) == [1, 2]
+        assert set(held.column("_isb_app").to_pylist()) == {"pgsink/events"}
         assert all("2 attempts failed, the last:" in e and "cannot connect" in e
                    for e in held.column("_isb_error").to_pylist())
-        batches = sorted(set(held.column("_isb_batch").to_pylist()))
-        assert len(batches) == 2  # readBatchSize 10: two batches, each tried twice
-        assert (down.sink_retries, down.fallback_total, down.dropped_total, down.sink_error) == (4, 20, 0, None)
+        status = StepStatus("events")
+        sink_policy.fold_status(status, write)
+        assert (status.sink_retries, status.fallback_total, status.dropped_total, status.sink_error) == (4, 20, 0, None)
 
-        # the last fallback batch replayed with the server back: the fallback holds it, nothing is written
-        commits = Path(DataDir(tmp_path).checkpoint(p.name, "events", None)) / "commits"
-        for f in (commits / str(batches[-1]), commits / f".{batches[-1]}.crc"):
-            f.unlink(missing_ok=True)
+        write(batch(range(21, 31)), 2)  # the replay, the server back: the fallback holds batch 2 whole
+        assert query(pg, "SELECT count(*) FROM landing.events") == [(10,)]
+        assert DeltaTable(str(fallback)).to_pyarrow_dataset().count_rows() == 20
+
+        # the step goes on; a row the table refuses alone goes to the fallback, the rest commits
+        query(pg, "ALTER TABLE landing.events ADD CONSTRAINT no_37 CHECK (n <> 37)")
+        write(batch(range(31, 41)), 3)
+        refused = DeltaTable(str(fallback)).to_pyarrow_table().filter(pa.compute.field("n") == 37)
+        assert refused.num_rows == 1 and "no_37" in refused.column("_isb_error")[0].as_py()
+        assert refused.column("_isb_attempts")[0].as_py() == 1
+        sink_policy.fold_status(status, write)
+        assert (status.fallback_total, status.refused_total, status.sink_retries) == (21, 1, 4)
     finally:
-        if pg.proc.poll() is not None:
-            pg.start()
-    replay = run(spark, specs, p, settings, tmp_path, only=["events"])["events"]
-    assert (commits / str(batches[-1])).exists()  # Spark did run it again
-    assert query(pg, "SELECT count(*) FROM landing.events") == [(20,)]
-    assert DeltaTable(str(fallback)).to_pyarrow_dataset().count_rows() == 20
-    assert (replay.sink_retries, replay.fallback_total) == (4, 20)  # the totals outlive the driver
+        runner.close()
 
-    # the server is back: the step goes on; a row the table refuses alone goes to the fallback
+    # the same sink without a fallback: the row it refuses goes to the dead-letter buffer, with its reason
     query(pg, "ALTER TABLE landing.events ADD CONSTRAINT no_47 CHECK (n <> 47)")
-    asyncio.run(_publish(settings, range(41, 51)))
-    up = run(spark, specs, p, settings, tmp_path, only=only)["events"]
+    plain, write = sink(load_specs(SPEC))
+    try:
+        write(batch(range(41, 51)), 4)
+        assert write.totals.dead_lettered == 1
+    finally:
+        plain.close()
+    (letter,) = asyncio.run(read_dead_letters(settings, p.name))
+    assert letter["origin"] == "in/0/47" and "refused by sink 'events'" in letter["reason"] \
+        and "no_47" in letter["reason"]
+
     primary = {i for (i,) in query(pg, "SELECT _isb_id FROM landing.events")}
-    held = DeltaTable(str(fallback)).to_pyarrow_table()
+    in_fallback = DeltaTable(str(fallback)).to_pyarrow_table().column("_isb_id").to_pylist()
     assert sorted(n for (n,) in query(pg, "SELECT n FROM landing.events")) == [
-        *range(1, 21), *range(41, 47), *range(48, 51)]
-    refused = held.filter(pa.compute.equal(held.column("n"), 47))
-    assert refused.num_rows == 1 and "no_47" in refused.column("_isb_error")[0].as_py()
-    assert refused.column("_isb_attempts")[0].as_py() == 1
-    assert (up.fallback_total, up.refused_total, up.sink_retries) == (21, 1, 4)
-    letters = asyncio.run(read_dead_letters(settings, p.name))
-    in_fallback = held.column("_isb_id").to_pylist()
-    assert len(primary) + len(in_fallback) + len(letters) == 52  # 50 events and 2 malformed ones
+        *range(1, 11), *range(31, 37), *range(38, 47), *range(48, 51)]
+    assert len(primary) + len(in_fallback) + 1 == 50
     assert not primary & set(in_fallback) and len(set(in_fallback)) == len(in_fallback)
-    # the ledger has every event's offset: those in the table and those in the fallback
-    assert sum(ledger.count(r) for r in asyncio.run(_ledger(settings, p.name))["events"].values()) == 50
+    # the ledger holds every offset: those in the table and those sent to the fallback
+    assert asyncio.run(_ledger(settings, p.name))["events"] == {"in/0": [[1, 50]]}
