@@ -335,3 +335,18 @@ def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(s
     assert not primary & set(in_fallback) and len(set(in_fallback)) == len(in_fallback)
     # the ledger holds every offset: those in the table and those sent to the fallback
     assert asyncio.run(_ledger(settings, p.name))["events"] == {"in/0": [[1, 50]]}
+
+
+def test_a_delta_sink_with_a_failure_policy_is_refused_at_its_start(spark, nats_server, tmp_path):
+    """The Delta sink is a Spark data source writer, not a foreachBatch function (yet): its
+    retryStrategy would not apply, so the step says so instead of ignoring it."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.read_text().replace("          path: sinks/raw\n", "          path: sinks/raw\n"
+                                             "        retryStrategy:\n          backoff: {steps: 3}\n"))
+    specs = load_specs(spec)
+    runner = PipelineRunner(spark, specs, specs.only_pipeline(), nats_server.settings, tmp_path)
+    try:
+        with pytest.raises(StepError, match="sink 'raw': retryStrategy and fallback apply to foreachBatch sinks"):
+            runner._sink_writer(runner.p.vertex("raw"), spark.range(1))
+    finally:
+        runner.close()
