@@ -7,7 +7,9 @@ the driver, in the query's thread, once per micro-batch:
 1. **replay**: when the fallback already holds this batch (the driver died
    after the fallback's commit, before Spark's checkpoint commit), the primary is
    handed only the rows the fallback does not hold (none, for a whole batch);
-   a batch recorded as dropped is not written again;
+   a batch recorded as dropped is not written again. The fallback is asked only
+   for a batch up to the last one sent there (noted on disk before its commit)
+   or the last one finished, not for every batch;
 2. **attempts**: the primary is called; when it raises, the attempt is counted
    (``sink_retries`` in the step's status), the error is shown while it lasts
    (``sink_error``), and after ``backoff.wait(n)`` (times ``1 + jitter * r``)
@@ -75,6 +77,9 @@ class PolicyTotals:
     dead_lettered: int = 0  # refused records sent to the dead-letter buffer
     last_batch: int = -1  # the last batch counted
     last_dropped: bool = False  # whether that batch was dropped (a replay of it drops nothing again)
+    #: the last batch something was sent to the fallback for, noted before the fallback commits: only a
+    #: batch up to it can be one the fallback holds, so later batches skip asking the fallback
+    fallback_batch: int = -1
 
     @classmethod
     def read(cls, path: Path) -> PolicyTotals:
@@ -123,7 +128,8 @@ class SinkPolicy:
             return
         new = batch_id > t.last_batch
         counts = PolicyTotals()
-        held = self.fallback.held(batch_id) if self.fallback is not None else None
+        maybe_held = self.fallback is not None and batch_id <= max(t.fallback_batch, t.last_batch)
+        held = self.fallback.held(batch_id) if maybe_held else None
         if held is not None:
             df = self._without(df, held)
             if df is None:
@@ -175,6 +181,7 @@ class SinkPolicy:
         """Rows the primary refused one by one: to the fallback, else (or when the fallback already
         holds this batch without them) to the dead letters."""
         if self.fallback is not None:
+            self._note_fallback(batch_id)
             if self.fallback.commit(with_reasons(rows, reasons, attempt, self.app_id, batch_id), batch_id):
                 counts.fallback += rows.num_rows
                 return
@@ -197,6 +204,7 @@ class SinkPolicy:
         rows = df.toArrow()
         if action == OnFailure.FALLBACK:
             reason = f"{self.where}: {attempts} attempts failed, the last: {error.splitlines()[0] if error else ''}"
+            self._note_fallback(batch_id)
             self.fallback.commit(with_reasons(rows, reason, attempts, self.app_id, batch_id), batch_id)
             counts.fallback += rows.num_rows
             log.warning("%s: batch %d (%d records) went to the %s after %d attempts", self.where, batch_id,
@@ -218,6 +226,13 @@ class SinkPolicy:
             return None
         rest = df.filter(~F.col(ledger.ID_COLUMN).isin(held))
         return rest if not rest.isEmpty() else None
+
+    def _note_fallback(self, batch_id: int) -> None:
+        """Before a fallback commit: note the batch (kept on disk), so its replay asks the fallback."""
+        if batch_id > self.totals.fallback_batch:
+            self.totals.fallback_batch = batch_id
+            if self.stats_path is not None:
+                self.totals.write(self.stats_path)
 
     def _add(self, counts: PolicyTotals, new: bool) -> None:
         t = self.totals

@@ -151,3 +151,38 @@ def test_totals_survive_a_new_driver_and_cancel_ends_a_wait(tmp_path):
     with pytest.raises(SinkRetriesCancelled):
         again(Batch([2]), 1)
     assert "attempt 1: connection refused" in again.error
+
+
+def test_the_fallback_is_asked_only_for_a_batch_it_may_hold(tmp_path):
+    """A new batch beyond any sent to the fallback skips the question; a crash after the fallback's
+    commit (the totals not yet updated) still finds it, from the note written before the commit."""
+    class Counting(Fallback):
+        asked = 0
+
+        def held(self, batch_id):
+            Counting.asked += 1
+            return super().held(batch_id)
+
+    fb = Counting()
+    p, *_ = policy(Primary(), tmp_path, fallback=fb)
+    p(Batch([1]), 0)
+    p(Batch([2]), 1)
+    assert Counting.asked == 0
+    # the driver died after the fallback's commit of batch 2, before the totals were written
+    q, *_ = policy(Primary(fail=1), tmp_path, strategy(steps=1, on_failure="fallback"), fb)
+    add = q._add
+
+    def dies_at_the_end(counts, new):  # after the fallback's commit, before the batch's totals
+        if counts.last_batch >= 0:
+            raise SystemExit("the driver dies")
+        add(counts, new)
+
+    q._add = dies_at_the_end
+    with pytest.raises(SystemExit):
+        q(Batch([3, 4]), 2)
+    again = Primary()
+    r, *_ = policy(again, tmp_path, strategy(steps=1, on_failure="fallback"), fb)
+    assert fb.held(2) == ["in/0/3", "in/0/4"]
+    Counting.asked = 0
+    r(Batch([3, 4]), 2)  # Spark's replay of batch 2
+    assert Counting.asked == 1 and again.calls == 0  # found in the fallback: nothing written twice
