@@ -62,7 +62,9 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, 
                    processing_time=processing_time,
                    on_step=None if json_out else lambda v, s: console.print(
                        f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"
-                       + (f", unrouted {s.unrouted_total}" if s.unrouted_total else "")),
+                       + (f", unrouted {s.unrouted_total}" if s.unrouted_total else "")
+                       + (f", sink retries {s.sink_retries}, to fallback {s.fallback_total}, dropped "
+                          f"{s.dropped_total}" if s.sink_retries or s.fallback_total or s.dropped_total else "")),
                    on_metrics=None if json_out else lambda url: console.print(f"metrics on {url}"))
     except ops.PipelineError as e:
         fail(str(e))
@@ -152,7 +154,10 @@ def status(
 
     unrouted: records none of a step's out edges' conditions.tags took (dropped or dead-lettered).
 
-    --json holds every heartbeat field (unrouted_total, dlq_total, ...).
+    A sink whose failure policy acted gets a line: failed attempts, records sent to its fallback,
+    records dropped, and the failure while attempts go on.
+
+    --json holds every heartbeat field (unrouted_total, dlq_total, sink_retries, fallback_total, ...).
     """
     specs, p = pipeline_or_exit(file, pipeline)
     settings = reader_settings_or_exit(nats_url, data_dir, specs, p.name)
@@ -171,6 +176,11 @@ def status(
                   f"{s.input_rows_per_s:,.0f}", f"{s.processed_rows_per_s:,.0f}", str(s.unrouted_total), str(s.dlq_total),
                   f"{s.age():.0f}s ago")
     console.print(t)
+    for v, s in statuses.items():  # a sink's failure policy, when it did anything (retryStrategy, fallback)
+        if s is not None and (s.sink_retries or s.fallback_total or s.dropped_total or s.sink_error):
+            console.print(f"sink {v}: {s.sink_retries} failed attempts, {s.fallback_total} records to the fallback "
+                          f"({s.refused_total} refused one by one), {s.dropped_total} dropped"
+                          + (f"; retrying: {s.sink_error}" if s.sink_error else ""), markup=False, highlight=False)
     if recovery:
         console.print(ops.recovery_line(recovery), markup=False, highlight=False)
 

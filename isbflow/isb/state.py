@@ -64,6 +64,12 @@ class StepStatus:
     late_total: int = 0
     unrouted_total: int = 0  # records no out edge's conditions.tags took (dropped or dead-lettered)
     restarts: int = 0  # queries restarted from their checkpoint after a transient failure
+    # a sink's failure policy (retryStrategy, fallback; isbflow.steps.sink_policy)
+    sink_retries: int = 0  # failed attempts to write a batch
+    fallback_total: int = 0  # records sent to the fallback sink
+    dropped_total: int = 0  # records dropped by retryStrategy.onFailure: drop
+    refused_total: int = 0  # records the sink refused one by one (to the fallback or the dead letters)
+    sink_error: str | None = None  # the current failure while attempts go on
     error: str | None = None
     final_offsets: dict[str, Any] | None = None
     app: str | None = None  # Spark application id / launch id

@@ -18,7 +18,10 @@ driver once per micro-batch, brings the batch's rows to the driver as Arrow
    ``INSERT ... SELECT``: ``ON CONFLICT (key) DO NOTHING`` (``append``, and
    ``merge`` for recovery: a row whose key the table holds is not inserted again)
    or ``DO UPDATE`` (``upsert``: the sink of a ``udf.output: update`` step, the
-   latest ``versionColumn`` per key);
+   latest ``versionColumn`` per key). Rows the table refuses one by one (a constraint
+   violation, a value that does not fit its column) are found by bisecting the batch under
+   savepoints (:mod:`isbflow.sinks.pg_write`) and handed to ``on_refused`` (the sink's failure
+   policy: its fallback or the dead letters) before the rest commits;
 4. inserts the bookkeeping row ``(app_id, target, batch_id, sink, rows, written, offsets)``
    (``rows`` the batch offered, ``written`` those inserted or updated: recovery's merge stats); the
    offsets are the batch's source ranges (:func:`isbflow.isb.ledger.id_ranges`
@@ -46,7 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -56,16 +59,19 @@ import pyarrow as pa
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
+from isbflow.sinks.pg_write import (  # noqa: F401 - PostgresSinkError, table_columns re-exported
+    PostgresSinkError,
+    RefusedRows,
+    ident,
+    table_columns,
+    write_rows,
+)
 from isbflow.spec.postgres import PostgresSink
 
 _log = logging.getLogger(__name__)
 
 BOOKKEEPING_TABLE = "isb_sink_batches"
 MODES = ("append", "merge", "upsert")
-
-
-class PostgresSinkError(Exception):
-    """The PostgreSQL sink could not connect or commit; the message names the sink and the server."""
 
 
 @dataclass(frozen=True)
@@ -177,12 +183,6 @@ def _scrub(text: str, kw: dict) -> str:
 
 # ------------------------------------------------------------------ tables
 
-def _ident(name: str):
-    from psycopg import sql
-
-    return sql.Identifier(*name.split("."))
-
-
 def _schema_of(table: str) -> str | None:
     return table.split(".")[0] if "." in table else None
 
@@ -241,23 +241,14 @@ def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
                         "batch_id bigint NOT NULL, sink text NOT NULL, rows bigint NOT NULL, "
                         "written bigint NOT NULL, offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now(), "
                         "PRIMARY KEY (app_id, target, batch_id))")
-                .format(_ident(book)))
+                .format(ident(book)))
     columns = [f for f in schema if f.name != target.version_column]
     key = [k for k in target.key if k in schema.names]
     cols = [sql.SQL("{} {}").format(sql.Identifier(f.name), sql.SQL(_column_type(target, f))) for f in columns]
     if key:
         cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key))))
-    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(_ident(target.spec.table),
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident(target.spec.table),
                                                                     sql.SQL(", ").join(cols)))
-
-
-def table_columns(cur, table: str) -> list[str] | None:
-    """The columns of ``table`` in order; None when it does not exist."""
-    schema = _schema_of(table) or "public"
-    cur.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = %s "
-                "AND table_name = %s ORDER BY ordinal_position", (schema, table.split(".")[-1]))
-    names = [r[0] for r in cur.fetchall()]
-    return names or None
 
 
 # ------------------------------------------------------------------ one batch
@@ -271,50 +262,21 @@ class PgBatchCommit:
     written: int
     skipped_reason: str | None = None
     offsets: dict = field(default_factory=dict)
+    refused: int = 0  # rows the table refused one by one (handed to ``on_refused``)
 
 
-def _rows(table: pa.Table):
-    """Row tuples for COPY; nested values as JSON."""
-    from psycopg.types.json import Jsonb
-
-    cols = []
-    for f, col in zip(table.schema, table.columns, strict=True):
-        values = col.to_pylist()
-        if pg_type(f.type) == "jsonb":
-            values = [None if v is None else Jsonb(v) for v in values]
-        cols.append(values)
-    return zip(*cols, strict=True)
+#: what :func:`commit_batch` calls with the rows the table refused one by one (an Arrow table of
+#: them, and one reason per row) before it commits the rest; raising there commits nothing
+OnRefused = Callable[[pa.Table, list[str]], None]
 
 
-def _flat(t: pa.DataType) -> bool:
-    """Types Arrow's CSV writer renders as PostgreSQL reads them."""
-    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-            or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
-            or pa.types.is_date(t) or pa.types.is_timestamp(t))
+def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=None,
+                 on_refused: OnRefused | None = None) -> PgBatchCommit:
+    """Commit one micro-batch in one transaction, at most once per (app id, batch id) (module doc).
 
-
-def _copy(cur, stage, table: pa.Table) -> None:
-    """COPY ``table`` into the staging table: as CSV written by Arrow (vectorised) when every column
-    is flat, else row by row (nested values as JSON)."""
-    from psycopg import sql
-
-    names = sql.SQL(", ").join(map(sql.Identifier, table.schema.names))
-    if all(_flat(f.type) for f in table.schema):
-        import pyarrow.csv as pacsv
-
-        sink = pa.BufferOutputStream()
-        # nulls unquoted and empty, every string quoted: PostgreSQL's CSV tells NULL from ''
-        pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False, quoting_style="all_valid"))
-        with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(stage, names)) as cp:
-            cp.write(sink.getvalue().to_pybytes())
-        return
-    with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(stage, names)) as cp:
-        for row in _rows(table):
-            cp.write_row(row)
-
-
-def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=None) -> PgBatchCommit:
-    """Commit one micro-batch in one transaction, at most once per (app id, batch id) (module doc)."""
+    Rows the table refuses one by one (:mod:`isbflow.sinks.pg_write`) are handed to ``on_refused``
+    inside the transaction, before the rest commits (so a fallback holds them before the batch is
+    recorded as done); without ``on_refused`` they fail the batch, naming the first one."""
     from psycopg import sql
 
     if target.mode not in MODES:
@@ -328,7 +290,7 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (target.app_id,))
             create_tables(cur, target, batch.schema)
-            book = _ident(bookkeeping_table(target.spec.table))
+            book = ident(bookkeeping_table(target.spec.table))
             cur.execute(sql.SQL("SELECT max(batch_id) FROM {} WHERE app_id = %s AND target = %s").format(book),
                         (target.app_id, target.spec.table))
             done = cur.fetchone()[0]
@@ -338,7 +300,13 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
                                  "skipped; if the step's checkpoint was reset, give the sink a new app "
                                  "id or restore the checkpoint", target.where, done, target.app_id, batch_id)
                 return PgBatchCommit(batch_id, batch.num_rows, 0, f"table already holds batch {done}")
-            written = _write(cur, target, batch)
+            written, refused = write_rows(cur, target, batch)
+            if refused:
+                if on_refused is None:
+                    raise PostgresSinkError(f"{target.where}: batch {batch_id} not committed: the table refused "
+                                            f"{len(refused)} row(s), the first (row {refused.positions[0]}): "
+                                            f"{refused.reasons[0]}")
+                on_refused(refused.rows(batch), refused.reasons)
             cur.execute(sql.SQL("INSERT INTO {} (app_id, target, batch_id, sink, rows, written, offsets) "
                                 "VALUES (%s, %s, %s, %s, %s, %s, %s)").format(book),
                         (target.app_id, target.spec.table, batch_id, target.sink, batch.num_rows, written,
@@ -356,46 +324,7 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
         if own:
             conn.close()
     record_offsets(target, offsets)
-    return PgBatchCommit(batch_id, batch.num_rows, written, offsets=offsets)
-
-
-def _write(cur, target: PostgresTarget, batch: pa.Table) -> int:
-    """COPY the batch into a staging table, then one INSERT ... SELECT into the target."""
-    from psycopg import sql
-
-    have = table_columns(cur, target.spec.table) or []
-    names = [n for n in batch.schema.names if n != target.version_column]
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise PostgresSinkError(f"{target.where}: the batch's columns {missing} are not in the table "
-                                f"(it has {', '.join(have)}); add them or write to a new table")
-    cols = sql.SQL(", ").join(map(sql.Identifier, names))
-    stage = sql.Identifier("isb_stage")
-    cur.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA")
-                .format(stage, cols, _ident(target.spec.table)))
-    copied = list(names)
-    if target.version_column and target.version_column in batch.schema.names:
-        cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(stage, sql.Identifier(target.version_column)))
-        copied.append(target.version_column)
-    _copy(cur, stage, batch.select(copied))
-    source = sql.SQL("SELECT {} FROM {}").format(cols, stage)
-    key = [k for k in target.key if k in names]
-    if key and target.version_column in copied:  # the latest version of each key in the batch
-        keys = sql.SQL(", ").join(map(sql.Identifier, key))
-        source = sql.SQL("SELECT DISTINCT ON ({}) {} FROM {} ORDER BY {}, {} DESC").format(
-            keys, cols, stage, keys, sql.Identifier(target.version_column))
-    insert = sql.SQL("INSERT INTO {} ({}) {}").format(_ident(target.spec.table), cols, source)
-    if key:
-        keys = sql.SQL(", ").join(map(sql.Identifier, key))
-        rest = [n for n in names if n not in key]
-        if target.mode == "upsert" and rest:
-            sets = sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(n), sql.Identifier(n))
-                                      for n in rest)
-            insert += sql.SQL(" ON CONFLICT ({}) DO UPDATE SET {}").format(keys, sets)
-        else:
-            insert += sql.SQL(" ON CONFLICT ({}) DO NOTHING").format(keys)
-    cur.execute(insert)
-    return cur.rowcount
+    return PgBatchCommit(batch_id, batch.num_rows, written, offsets=offsets, refused=len(refused))
 
 
 def record_offsets(target: PostgresTarget, offsets: dict) -> None:
@@ -422,7 +351,7 @@ def committed_offsets(target: PostgresTarget, conn=None) -> dict:
             if table_columns(cur, bookkeeping_table(target.spec.table)) is None:
                 return {}
             cur.execute(sql.SQL("SELECT offsets FROM {} WHERE target = %s")
-                        .format(_ident(bookkeeping_table(target.spec.table))), (target.spec.table,))
+                        .format(ident(bookkeeping_table(target.spec.table))), (target.spec.table,))
             return ledger.union(*(ledger.from_metadata(json.dumps(r[0])) for r in cur.fetchall()))
     finally:
         if own:
@@ -443,5 +372,8 @@ class PostgresBatchWriter:
                                     f"columns {list(columns)}")
         connect(self.target).close()
 
-    def __call__(self, df, batch_id: int) -> None:
-        commit_batch(self.target, df.toArrow(), batch_id)
+    #: hands rows the table refuses one by one to ``on_refused`` (:mod:`isbflow.steps.sink_policy`)
+    takes_refused = True
+
+    def __call__(self, df, batch_id: int, on_refused: OnRefused | None = None) -> None:
+        commit_batch(self.target, df.toArrow(), batch_id, on_refused=on_refused)

@@ -64,7 +64,16 @@ from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
     TLSConfig,
 )
 from isbflow.spec.names import VERTEX_ROLES
-from isbflow.spec.postgres import PostgresSink
+from isbflow.spec.postgres import PostgresSink  # noqa: F401 - re-exported
+from isbflow.spec.sinks import (  # noqa: F401 - re-exported
+    SINK_KINDS,
+    Backoff,
+    DeltaSink,
+    FallbackSink,
+    OnFailure,
+    RetryStrategy,
+    Sink,
+)
 from isbflow.spec.times import check_time_expression, parse_duration  # noqa: F401 - re-exported
 from isbflow.spec.transforms import declared_package_problem
 
@@ -159,39 +168,6 @@ class Source(SpecModel):
         kinds = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError(one_of_message("a source", SOURCE_KINDS, kinds))
-        return self
-
-
-class DeltaSink(SpecModel):
-    """A Delta table. ``path`` is relative to the data dir; an absolute path (another disk, a
-    mount) must be asked for with ``external: true``, so no spec leaves the data dir by accident."""
-
-    path: SafePath
-    partitionBy: list[str] = Field(default_factory=list)
-    external: bool = False
-
-    @model_validator(mode="after")
-    def _inside(self) -> DeltaSink:
-        if is_absolute(self.path) and not self.external:
-            raise ValueError(f"path {self.path!r} is outside the data dir: use a relative path, or set "
-                             "'external: true' to write there on purpose")
-        return self
-
-
-SINK_KINDS = ("delta", "postgres")
-
-
-class Sink(SpecModel):
-    """Where a sink vertex lands its rows: a Delta table or a PostgreSQL table (exactly one)."""
-
-    delta: DeltaSink | None = None
-    postgres: PostgresSink | None = None
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> Sink:
-        kinds = [k for k in SINK_KINDS if getattr(self, k) is not None]
-        if len(kinds) != 1:
-            raise ValueError(one_of_message("a sink", SINK_KINDS, kinds))
         return self
 
 

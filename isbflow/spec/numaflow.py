@@ -132,10 +132,6 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Sink", "serve"): "isbflow serves no HTTP responses: its sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
     ("Sink", "pulsar"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
     ("Sink", "sqs"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
-    ("Sink", "fallback"): ("records a step cannot write go to the pipeline's dead-letter stream "
-                           "(counted by 'isbflow pipeline status')"),
-    ("Sink", "retryStrategy"): ("a failed micro-batch is retried by the step's restart policy; the Delta commit is "
-                                "idempotent per batch"),
     ("Sink", "onSuccess"): "isbflow's sinks are Delta or PostgreSQL tables (sink.delta, sink.postgres)",
     ("Edge", "onFull"): "set onFull on the writing vertex (vertices[].onFull): it applies to all its out edges",
     ("Edge", "limits"): ("set limits on the reading vertex (vertices[].limits.bufferMaxLength, "
@@ -147,6 +143,12 @@ FIELDS: dict[tuple[str, str], str] = {
 POD_TEMPLATE_FIELDS = ("metadata", "nodeSelector", "tolerations", "securityContext", "imagePullSecrets",
                        "priorityClassName", "priority", "affinity", "serviceAccountName", "runtimeClassName",
                        "automountServiceAccountToken", "dnsPolicy", "dnsConfig", "resourceClaims")
+for (_model, _field), _why in list(FIELDS.items()):  # a fallback sink is a sink of the same kinds
+    if _model == "Sink":
+        FIELDS[("FallbackSink", _field)] = _why
+FIELDS[("FallbackSink", "fallback")] = "a fallback sink has no fallback of its own: it is the last resort"
+FIELDS[("FallbackSink", "retryStrategy")] = ("a fallback sink has no retry strategy of its own: a batch it "
+                                             "cannot take fails the step (the restart policy applies)")
 for _model in ("JetStreamService", "Vertex"):
     for _field in POD_TEMPLATE_FIELDS:
         FIELDS.setdefault((_model, _field), _NO_K8S)

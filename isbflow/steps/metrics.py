@@ -41,6 +41,12 @@ reports per query). Series (labels ``pipeline``, ``step`` and as noted):
   (``bufferUsageLimit``). Internal edges only (a source stream has no
   ``bufferMaxLength``);
 - ``isbflow_step_dead_letters_total``: records the step sent to the dead-letter buffer;
+- ``isbflow_step_unrouted_records_total``: records no out edge's ``conditions.tags`` took;
+- ``isbflow_sink_retries_total``, ``isbflow_sink_fallback_records_total``,
+  ``isbflow_sink_dropped_records_total``, ``isbflow_sink_refused_records_total``: a
+  sink's failure policy (:mod:`isbflow.steps.sink_policy`): failed attempts to write a
+  batch, records sent to its fallback, records dropped by ``onFailure: drop``, records
+  it refused one by one (to the fallback or the dead letters);
 - ``isbflow_step_state`` (``state``): 1 for the step's current state, 0 for the others.
 
 Each runner has its own :class:`~prometheus_client.CollectorRegistry` (no
@@ -110,6 +116,14 @@ class PipelineMetrics:
         self.unrouted = Counter("isbflow_step_unrouted_records",
                                 "Records no out edge's conditions.tags took (dropped, or dead-lettered with "
                                 "onUnrouted: deadLetter)", STEP, registry=r)
+        self.sink_retries = Counter("isbflow_sink_retries", "Failed attempts of a sink to write a batch "
+                                    "(retryStrategy)", STEP, registry=r)
+        self.sink_fallback = Counter("isbflow_sink_fallback_records", "Records a sink sent to its fallback "
+                                     "(after its retries, or refused one by one)", STEP, registry=r)
+        self.sink_dropped = Counter("isbflow_sink_dropped_records", "Records a sink dropped after its retries "
+                                    "(retryStrategy.onFailure: drop)", STEP, registry=r)
+        self.sink_refused = Counter("isbflow_sink_refused_records", "Records a sink's table refused one by one "
+                                    "(to the fallback, or the dead letters)", STEP, registry=r)
         self.state = Gauge("isbflow_step_state", "1 for the step's current state, 0 for the others",
                            [*STEP, "state"], registry=r)
         self._seen: dict[tuple[str, str | None], str] = {}  # (step, to) -> timestamp of the last progress
@@ -147,6 +161,11 @@ class PipelineMetrics:
             return
         self._count_up(self.dead_letters, labels, "dlq", status.dlq_total)
         self._count_up(self.unrouted, labels, "unrouted", status.unrouted_total)
+        if self.pipeline.vertex(step).sink is not None:
+            for counter, name in ((self.sink_retries, "sink_retries"), (self.sink_fallback, "fallback_total"),
+                                  (self.sink_dropped, "dropped_total"), (self.sink_refused, "refused_total")):
+                counter.labels(**labels)
+                self._count_up(counter, labels, name, getattr(status, name))
         for stream, lag in status.lag.items():
             self.lag.labels(**labels, stream=stream).set(lag)
         limits = self.pipeline.vertex(step).effective_limits(self.pipeline.spec.limits)

@@ -10,6 +10,7 @@ so a fresh checkpoint after a recovery is not taken for batches already held.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -23,6 +24,8 @@ from isbflow.sinks.postgres import (
 from isbflow.spec.models import Vertex
 from isbflow.steps.restart import StepError
 from isbflow.steps.update import VERSION_COLUMN
+
+log = logging.getLogger(__name__)
 
 
 def postgres_target(runner, v: Vertex, mode: str, keys: Sequence[str] | None,
@@ -38,6 +41,14 @@ def postgres_target(runner, v: Vertex, mode: str, keys: Sequence[str] | None,
                           ledger_settings=runner.settings_json)
 
 
+def fallback_target(runner, v: Vertex) -> PostgresTarget:
+    """The settings of sink ``v``'s PostgreSQL fallback table: the primary's app id, keyed on ``_isb_id``,
+    append only (:class:`isbflow.sinks.fallback.PostgresFallback`)."""
+    assert v.sink is not None and v.sink.fallback is not None and v.sink.fallback.postgres is not None
+    return PostgresTarget(sink=v.name, spec=v.sink.fallback.postgres, app_id=runner.sink_app_id(v.name),
+                          data_dir=str(runner.data_dir), pipeline=runner.p.name)
+
+
 def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: Sequence[str] | None,
                     upsert: Sequence[str] | None) -> PostgresBatchWriter:
     """The sink's ``foreachBatch`` function; checks now that the server answers (a clear
@@ -46,7 +57,10 @@ def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: 
     try:
         writer.check(columns)
     except PostgresSinkError as e:
-        raise StepError(f"step {v.name!r}: {e}") from None
+        if v.sink.retryStrategy is None or "cannot connect" not in str(e):
+            raise StepError(f"step {v.name!r}: {e}") from None
+        # the sink's retryStrategy owns a server that is down: its batches are retried (or fall back)
+        log.warning("step %s: %s; its batches follow the sink's retryStrategy", v.name, e)
     return writer
 
 

@@ -71,7 +71,7 @@ from isbflow.isb.release import release
 from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
-from isbflow.steps import routing
+from isbflow.steps import routing, sink_policy
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
     RunningQuery,
@@ -137,6 +137,7 @@ class PipelineRunner:
         self.starting_offsets = starting_offsets or {}
         self.sink_mode = sink_mode
         self.merge_keys = merge_keys or {}
+        self.sink_policies: dict[str, sink_policy.SinkPolicy] = {}  # sink vertex -> its failure policy
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
 
     # ------------------------------------------------------------------ planning
@@ -342,7 +343,11 @@ class PipelineRunner:
         mode, keys = self.sink_mode, self.merge_keys.get(v.name)
         upsert = self.upsert_keys(v.name)
         if v.sink.postgres is not None:
-            return df.writeStream.foreachBatch(postgres_writer(self, v, df.columns, mode, keys, upsert))
+            return df.writeStream.foreachBatch(self._guarded(v, postgres_writer(self, v, df.columns, mode, keys,
+                                                                                upsert)))
+        if v.sink.retryStrategy is not None or v.sink.fallback is not None:
+            raise StepError(f"sink {v.name!r}: retryStrategy and fallback apply to foreachBatch sinks "
+                            "(PostgreSQL); the Delta sink's commit is retried by the step's restart policy")
         w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
              .option("appId", self.sink_app_id(v.name))
              .option("pipeline", self.p.name).option("sink", v.name)
@@ -357,6 +362,11 @@ class PipelineRunner:
         if v.sink.delta.partitionBy:
             w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
         return w
+
+    def _guarded(self, v: Vertex, write):
+        """Sink ``v``'s ``foreachBatch`` function under its failure policy (:mod:`isbflow.steps.sink_policy`)."""
+        self.sink_policies[v.name] = policy = sink_policy.policy_for(self, v, write)
+        return policy
 
     # ------------------------------------------------------------------ bookkeeping
     def _bookkeep(self, run: StepRun) -> None:
@@ -373,6 +383,7 @@ class PipelineRunner:
                     self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
         status.dlq_total = self._dlq_total(run)
         status.unrouted_total = routing.unrouted_total([rq.stats_dir for rq in run.queries])
+        sink_policy.fold_status(status, self.sink_policies.get(run.vertex))
         status.lag = self._lag(run, committed)
 
     def _dlq_total(self, run: StepRun) -> int:
@@ -383,6 +394,8 @@ class PipelineRunner:
                 # one small file, however many batches ran (the writer keeps the running totals)
                 total += int(read_write_totals(rq.stats_dir).get("dead_lettered") or 0)
                 break  # every output query sees the same input rows: count one
+        if run.vertex in self.sink_policies:  # rows the sink refused, dead-lettered
+            total += self.sink_policies[run.vertex].totals.dead_lettered
         if not self.p.vertex(run.vertex).source:  # frames in: unreadable ones are counted in the status KV
             total += self.nats.run(dead_frames(self.nats.nc, self.p.name, run.vertex))
         return total
@@ -546,6 +559,8 @@ class PipelineRunner:
             log.info("step %s drained at %s", run.vertex, status.final_offsets)
 
     def stop_all(self) -> None:
+        for policy in list(self.sink_policies.values()):  # a sink waiting to retry stops waiting
+            policy.cancel()
         # a copy: another thread (a signal's, a test's) may stop the runner while it still starts steps
         for run in list(self.runs.values()):
             for rq in list(run.queries):

@@ -286,7 +286,8 @@ async def _write_status(settings) -> float:
         await st.set_desired(nc, PIPELINE, "parse", st.Desired.DRAINING)
         # put_status stamps the time; a stale heartbeat is written as the runner's would have been
         raw = st.StepStatus("raw", state=st.Observed.RUNNING, batch_id=2, updated_at=now - 120,
-                            lag={"isb-demo-parse-raw-0": 11})
+                            lag={"isb-demo-parse-raw-0": 11}, sink_retries=4, fallback_total=21, dropped_total=0,
+                            sink_error="batch 2, attempt 4: cannot connect")
         await kv.put("step.raw", json.dumps(raw.to_json()).encode())
         js = nc.jetstream()
         await js.purge_stream(naming.dlq_stream(PIPELINE))
@@ -413,6 +414,11 @@ def test_pipelines_json_and_page_show_real_status(ui, site):
     parse_row = inner(html, "data-step", "parse")
     assert [t for _, _, t in find(parse_row, "data-rate")] == ["1234.5", "2345.5"]
     assert one(parse_row, "data-dlq")[2] == "2" and one(parse_row, "data-lag")[2] == "7"
+    # a sink's failure policy: retries / fallback / dropped, and the failure while attempts go on
+    raw_row = inner(html, "data-step", "raw")
+    assert one(raw_row, "data-sink")[2] == "4 / 21 / 0" and one(parse_row, "data-sink")[2] == ""
+    assert "retrying: <span>batch 2, attempt 4: cannot connect</span>" in raw_row
+    assert (steps["raw"]["sink_retries"], steps["raw"]["fallback_total"]) == (4, 21)
     assert [a["data-lag"] for _, a, _ in find(html, "data-lag", tag="td") if "data-stream" not in a][-3:] == [
         "3", "4", "11"]
     assert one(html, "data-dlq-messages")[1]["data-dlq-messages"] == "3"

@@ -42,6 +42,24 @@ class Postgres:
     pid: int
     db: str = DB
     user: str = USER
+    command: list[str] | None = None  # how the server was started (stop() and start() again)
+    proc: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown), its data kept: clients get "connection refused"."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+    def start(self) -> None:
+        """Start the stopped server again on the same port and data."""
+        assert self.command is not None and (self.proc is None or self.proc.poll() is not None)
+        log = self.folder / "postgres.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.proc.pid
+        _wait_ready(self, self.proc, log)
 
     def url(self, driver: str = "postgresql+psycopg2") -> str:
         return f"{driver}://{self.user}:{self.password}@{HOST}:{self.port}/{self.db}"
@@ -104,9 +122,9 @@ def running_postgres(db: str = DB, user: str = USER) -> Iterator[Postgres]:
     prefix, uid, gid = _run_as()
     initdb, server = _binary("initdb"), _binary("postgres")
     folder = Path(tempfile.mkdtemp(prefix="isbflow-pg-"))
-    proc = None
+    pg = None
     try:
-        data, pwfile, log = folder / "data", folder / "pwfile", folder / "postgres.log"
+        data, pwfile = folder / "data", folder / "pwfile"
         password = secrets.token_urlsafe(18)
         fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -121,14 +139,11 @@ def running_postgres(db: str = DB, user: str = USER) -> Iterator[Postgres]:
         assert r.returncode == 0, f"initdb failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
         pwfile.unlink()
         port = free_port()
-        with open(log, "ab") as out:
-            proc = subprocess.Popen([*prefix, server, "-D", str(data), "-p", str(port), "-k", str(folder),
-                                     "-c", f"listen_addresses={HOST}", "-c", "max_connections=50",
-                                     "-c", "fsync=off"],  # a throwaway cluster: speed over durability
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        pg = Postgres(folder, port, password, proc.pid, db=db, user=user)
-        _wait_ready(pg, proc, log)
+        command = [*prefix, server, "-D", str(data), "-p", str(port), "-k", str(folder),
+                   "-c", f"listen_addresses={HOST}", "-c", "max_connections=50",
+                   "-c", "fsync=off"]  # a throwaway cluster: speed over durability
+        pg = Postgres(folder, port, password, 0, db=db, user=user, command=command)
+        pg.start()
         import psycopg2
 
         c = psycopg2.connect(host=HOST, port=port, user=user, password=password, dbname="postgres")
@@ -137,6 +152,7 @@ def running_postgres(db: str = DB, user: str = USER) -> Iterator[Postgres]:
         c.close()
         yield pg
     finally:
+        proc = pg.proc if pg is not None else None  # the one running now (a test may have restarted it)
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)  # PostgreSQL's fast shutdown
             try:

@@ -242,3 +242,56 @@ def test_values_survive_the_copy_and_read_back_as_written(pg, nested):
     assert f[0] == 1.5 and math.isnan(f[1]) and f[2] is None and f[3] == 1e-20
     if nested:
         assert [None if v is None else json.loads(v) for v in got.column("l").to_pylist()] == [[1], None, [], [2, 3]]
+
+
+def test_rows_refused_one_by_one_are_handed_over_and_the_rest_commits(pg):
+    """A CHECK constraint and a value too long for its column refuse 2 rows of 39: bisecting under
+    savepoints finds exactly them, with the server's reasons, and the other 37 commit with the
+    bookkeeping row, in one transaction; the replayed batch commits nothing and refuses nothing."""
+    t = target(pg, "refusing")
+    commit_batch(t, batch([1]), 0)
+    query(pg, "ALTER TABLE refusing ADD CONSTRAINT n_not_13 CHECK (n <> 13)")
+    query(pg, "ALTER TABLE refusing ALTER COLUMN msg TYPE varchar(3)")  # 'm100' does not fit, 'm99' does
+    got: list = []
+    rows = batch([*range(2, 13), *range(14, 40), 100, 13])
+    out = commit_batch(t, rows, 1, on_refused=lambda r, why: got.append((r, why)))
+    ((refused, reasons),) = got
+    assert sorted(refused.column("n").to_pylist()) == [13, 100] and refused.column("_isb_id").to_pylist() \
+        == [f"in/0/{n}" for n in refused.column("n").to_pylist()]
+    why = dict(zip(refused.column("n").to_pylist(), reasons, strict=True))
+    assert "n_not_13" in why[13] and "23514" in why[13], why
+    assert "character varying(3)" in why[100] and "22001" in why[100], why
+    assert (out.rows, out.written, out.refused) == (39, 37, 2)
+    assert query(pg, "SELECT count(*) FROM refusing") == [(38,)]
+    assert query(pg, "SELECT batch_id, rows, written FROM isb_sink_batches WHERE target = 'refusing' "
+                     "ORDER BY batch_id") == [(0, 1, 1), (1, 39, 37)]
+    again = commit_batch(t, rows, 1, on_refused=lambda r, why: got.append((r, why)))
+    assert again.written == 0 and again.skipped_reason and len(got) == 1
+    # without on_refused, a refused row fails the whole batch, naming it; nothing is written
+    with pytest.raises(PostgresSinkError, match=r"refused 1 row\(s\), the first \(row 1\): .*n_not_13"):
+        commit_batch(t, batch([50, 13, 51]), 2)
+    assert query(pg, "SELECT count(*) FROM refusing WHERE n >= 50") == [(0,)]
+    # an error that is not a row's (a missing column) is not bisected: the batch fails as before
+    query(pg, "ALTER TABLE refusing DROP COLUMN msg")
+    with pytest.raises(PostgresSinkError, match="not in the table"):
+        commit_batch(t, batch([60]), 3, on_refused=lambda r, why: got.append((r, why)))
+    assert len(got) == 1
+
+
+def test_fallback_tables_hold_a_batch_once_and_say_which_ids(pg, tmp_path):
+    """Both fallback kinds: a batch's rows with the reason columns, committed once per (app id,
+    batch id); held() names the ids of a batch it took, None for one it did not."""
+    from deltalake import DeltaTable
+
+    from isbflow.sinks.fallback import DeltaFallback, PostgresFallback, with_reasons
+
+    rows = with_reasons(batch(range(1, 4)), "down", 3, "p/raw", 7)
+    assert rows.schema.names[-4:] == ["_isb_error", "_isb_attempts", "_isb_app", "_isb_batch"]
+    for fb in (PostgresFallback(target(pg, "fb.failed")), DeltaFallback(str(tmp_path / "failed"), "p/raw")):
+        assert fb.held(7) is None
+        assert fb.commit(rows, 7) is True
+        assert fb.commit(rows, 7) is False  # a replay commits nothing
+        assert sorted(fb.held(7)) == ["in/0/1", "in/0/2", "in/0/3"] and fb.held(8) is None
+    assert query(pg, "SELECT count(*), min(_isb_error), min(_isb_attempts), min(_isb_batch) FROM fb.failed") \
+        == [(3, "down", 3, 7)]
+    assert DeltaTable(str(tmp_path / "failed")).to_pyarrow_dataset().count_rows() == 3

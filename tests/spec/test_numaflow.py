@@ -373,3 +373,65 @@ def test_the_coming_from_numaflow_page_covers_every_refusal():
     missing = sorted({f for _, f in numaflow.FIELDS if f"`{f}`" not in page and f".{f}`" not in page}
                      | {k for k in numaflow.KINDS if f"`{k}`" not in page})
     assert not missing, missing
+
+
+# ------------------------------------------------------------------ sink failure policy
+
+def _with_sink(policy: str) -> str:
+    """PIPELINE with ``policy`` (YAML at the sink's indentation) added to its sink."""
+    return PIPELINE.lstrip("-\n").replace("          path: out\n", "          path: out\n" + textwrap.indent(
+        textwrap.dedent(policy), "        "))
+
+
+def test_retry_strategy_and_fallback_are_read_as_numaflow_writes_them(tmp_path):
+    """Numaflow's retry-strategy example, its backoff fields and a fallback table; defaults when absent."""
+    from isbflow.spec.models import OnFailure
+
+    sink = load_specs(write(tmp_path, _with_sink("""\
+        retryStrategy:
+          backoff:
+            interval: 500ms
+            steps: 10
+            factor: 2.2
+            cap: 10s
+            jitter: 0.1
+          onFailure: fallback
+        fallback:
+          postgres:
+            table: failed
+            connection: pg
+        """))).only_pipeline().vertex("out").sink
+    b = sink.retryStrategy.backoff
+    assert (b.interval, b.steps, b.factor, b.cap, b.jitter) == (0.5, 10, 2.2, 10.0, 0.1)
+    assert sink.on_failure == OnFailure.FALLBACK and sink.fallback.postgres.table == "failed"
+    assert [b.wait(n) for n in (1, 2, 3, 4, 5)] == pytest.approx([0.5, 1.1, 2.42, 5.324, 10.0])
+    plain = load_specs(write(tmp_path, PIPELINE.lstrip("-\n"))).only_pipeline().vertex("out").sink
+    assert plain.retryStrategy is None and plain.fallback is None and plain.on_failure == OnFailure.RETRY
+
+
+@pytest.mark.parametrize("policy,path,words", [
+    ("retryStrategy:\n  backoff: {steps: 3}\n  onFailure: fallback\n", "vertices[1].sink",
+     ["onFailure is 'fallback' but the sink has no fallback"]),
+    ("retryStrategy:\n  onFailure: drop\n", "vertices[1].sink", ["needs retryStrategy.backoff.steps"]),
+    ("retryStrategy:\n  onFailure: Drop\n", "vertices[1].sink.retryStrategy.onFailure",
+     ["'retry', 'fallback', 'drop'", "'Drop'"]),
+    ("retryStrategy:\n  backoff: {steps: 0}\n", "vertices[1].sink.retryStrategy.backoff.steps", [">= 1"]),
+    ("retryStrategy:\n  backoff: {interval: 2s, cap: 1s}\n", "vertices[1].sink.retryStrategy.backoff",
+     ["cap (1s) is below interval (2s)"]),
+    ("retryStrategy:\n  backoff: {jitter: 1}\n", "vertices[1].sink.retryStrategy.backoff.jitter", ["< 1.0"]),
+    ("retryStrategy:\n  backoff: {factor: 0.5}\n", "vertices[1].sink.retryStrategy.backoff.factor", [">= 1.0"]),
+    ("retryStrategy:\n  backoff: {interval: soon}\n", "vertices[1].sink.retryStrategy.backoff.interval", ["soon"]),
+    ("fallback:\n  delta: {path: out}\n", "vertices[1].sink", ["the fallback writes the sink's own table"]),
+    ("fallback: {}\n", "vertices[1].sink.fallback", ["exactly one of: delta, postgres"]),
+    ("fallback:\n  delta: {path: f}\n  fallback:\n    delta: {path: g}\n", "vertices[1].sink.fallback.fallback",
+     ["no fallback of its own"]),
+    ("fallback:\n  log: {}\n", "vertices[1].sink.fallback.log", ["Delta or PostgreSQL tables"]),
+])
+def test_a_bad_sink_failure_policy_is_located(tmp_path, policy, path, words):
+    f = write(tmp_path, _with_sink(policy))
+    got = problems(f)
+    assert path in [p.path for p in got], got
+    p = next(p for p in got if p.path == path)
+    assert all(w in p.message for w in words), str(p)
+    key = path.rsplit(".", 1)[-1].split("[")[0]
+    assert key in f.read_text().splitlines()[p.line - 1], str(p)

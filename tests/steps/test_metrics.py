@@ -88,6 +88,12 @@ def test_observe_counts_each_batch_once(tmp_path):
     # bufferMaxLength 2,000,000 rows = 200 frames of 10,000: 120 frames are 60 %
     assert value(m, "isbflow_buffer_usage_ratio", step="raw", stream="isb-logs-enrich-raw-0") == 0.6
     assert value(m, "isbflow_buffer_usage_limit_ratio", step="raw", stream="isb-logs-enrich-raw-0") == 0.8
+    assert value(m, "isbflow_sink_retries_total", step="raw") == 0  # the series exist from the start
+    # a sink's failure policy: what its totals gained
+    m.observe(None, _run("raw", [], StepStatus("raw", state="running", sink_retries=4, fallback_total=21,  # type: ignore[arg-type]
+                                               dropped_total=3, refused_total=1)))
+    assert [value(m, f"isbflow_sink_{n}_total", step="raw") for n in
+            ("retries", "fallback_records", "dropped_records", "refused_records")] == [4, 21, 3, 1]
 
 
 def test_buffer_usage_and_series_names():

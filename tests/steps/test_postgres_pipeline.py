@@ -18,18 +18,23 @@ from decimal import Decimal
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 from deltalake import DeltaTable
 
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb.connect import connect
+from isbflow.isb.dlq import read_dead_letters
+from isbflow.isb.state import StepStatus
 from isbflow.quality.basis import read_ledger_basis
 from isbflow.quality.run import run_quality
 from isbflow.recovery.plan import plan_recover
 from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
-from isbflow.steps.pg_sink import sink_connections
+from isbflow.steps import sink_policy
+from isbflow.steps.pg_sink import postgres_writer, sink_connections
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers.postgres import HOST, Postgres, running_postgres
@@ -228,3 +233,120 @@ def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://a:b@h/airflow", "HOME": "/root"}
     assert sink_connections(p, base) == {"AIRFLOW_CONN_PG_SINKS": "postgres://u:p@h/d"}
     assert sink_connections(p, {}) == {}  # not defined: the sink's own error names the variable
+
+
+POLICY = """\
+          connection: pg_sinks
+        retryStrategy:
+          backoff:
+            interval: 10ms
+            steps: 2
+          onFailure: fallback
+        fallback:
+          delta:
+            path: sinks/events-failed
+"""
+
+
+def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(spark, nats_server, pg_conn,
+                                                                              tmp_path):
+    """The sink ``events`` with Numaflow's retryStrategy (2 attempts, then fallback) and a Delta fallback,
+    its ``foreachBatch`` function (the runner's, under the sink policy) driven with DataFrames of the
+    session's Spark, batch by batch as a query would: real PostgreSQL, NATS (ledger, dead letters).
+
+    Batch 0 lands in PostgreSQL; the server stops; batches 1 and 2 are tried twice each and go to the
+    fallback with reason and attempts; batch 2 replayed (Spark re-runs a batch whose checkpoint commit
+    did not land) with the server back writes nothing anywhere; batch 3 lands again but for 37, which a
+    CHECK refuses alone: it goes to the fallback with the server's reason. The same sink without a
+    fallback dead-letters the row it refuses (47). Table + fallback + dead letters == produced, no id
+    twice, and the ledger holds every offset. (The runner's wiring of the policy into a query runs in
+    every other test of this file.)"""
+    pg, settings = pg_conn, nats_server.settings
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.read_text().replace("          connection: pg_sinks\n", POLICY))
+    specs = load_specs(spec)
+    asyncio.run(provision.apply(settings, specs))
+    p = specs.only_pipeline()
+    fallback = tmp_path / "sinks" / "events-failed"
+    cols = "n INT, service STRING, _isb_id STRING"
+
+    def batch(ns):
+        return spark.createDataFrame([(n, f"s{n % 3}", f"in/0/{n}") for n in ns], cols)
+
+    def sink(specs_):
+        runner = PipelineRunner(spark, specs_, specs_.only_pipeline(), settings, tmp_path)
+        v = runner.p.vertex("events")
+        return runner, sink_policy.policy_for(runner, v, postgres_writer(runner, v, ["n", "service", "_isb_id"],
+                                                                         "append", None, None))
+
+    runner, write = sink(specs)
+    try:
+        write(batch(range(1, 11)), 0)
+        assert query(pg, "SELECT count(*) FROM landing.events") == [(10,)]
+        try:
+            pg.stop()
+            write(batch(range(11, 21)), 1)
+            write(batch(range(21, 31)), 2)
+        finally:
+            pg.start()
+        held = DeltaTable(str(fallback)).to_pyarrow_table()
+        assert sorted(held.column("n").to_pylist()) == list(range(11, 31))
+        assert set(held.column("_isb_attempts").to_pylist()) == {2} and sorted(set(held.column("_isb_batch")
+                                                                                  .to_pylist())) == [1, 2]
+        assert set(held.column("_isb_app").to_pylist()) == {"pgsink/events"}
+        assert all("2 attempts failed, the last:" in e and "cannot connect" in e
+                   for e in held.column("_isb_error").to_pylist())
+        status = StepStatus("events")
+        sink_policy.fold_status(status, write)
+        assert (status.sink_retries, status.fallback_total, status.dropped_total, status.sink_error) == (4, 20, 0, None)
+
+        write(batch(range(21, 31)), 2)  # the replay, the server back: the fallback holds batch 2 whole
+        assert query(pg, "SELECT count(*) FROM landing.events") == [(10,)]
+        assert DeltaTable(str(fallback)).to_pyarrow_dataset().count_rows() == 20
+
+        # the step goes on; a row the table refuses alone goes to the fallback, the rest commits
+        query(pg, "ALTER TABLE landing.events ADD CONSTRAINT no_37 CHECK (n <> 37)")
+        write(batch(range(31, 41)), 3)
+        refused = DeltaTable(str(fallback)).to_pyarrow_table().filter(pa.compute.field("n") == 37)
+        assert refused.num_rows == 1 and "no_37" in refused.column("_isb_error")[0].as_py()
+        assert refused.column("_isb_attempts")[0].as_py() == 1
+        sink_policy.fold_status(status, write)
+        assert (status.fallback_total, status.refused_total, status.sink_retries) == (21, 1, 4)
+    finally:
+        runner.close()
+
+    # the same sink without a fallback: the row it refuses goes to the dead-letter buffer, with its reason
+    query(pg, "ALTER TABLE landing.events ADD CONSTRAINT no_47 CHECK (n <> 47)")
+    plain, write = sink(load_specs(SPEC))
+    try:
+        write(batch(range(41, 51)), 4)
+        assert write.totals.dead_lettered == 1
+    finally:
+        plain.close()
+    (letter,) = asyncio.run(read_dead_letters(settings, p.name))
+    assert letter["origin"] == "in/0/47" and "refused by sink 'events'" in letter["reason"] \
+        and "no_47" in letter["reason"]
+
+    primary = {i for (i,) in query(pg, "SELECT _isb_id FROM landing.events")}
+    in_fallback = DeltaTable(str(fallback)).to_pyarrow_table().column("_isb_id").to_pylist()
+    assert sorted(n for (n,) in query(pg, "SELECT n FROM landing.events")) == [
+        *range(1, 11), *range(31, 37), *range(38, 47), *range(48, 51)]
+    assert len(primary) + len(in_fallback) + 1 == 50
+    assert not primary & set(in_fallback) and len(set(in_fallback)) == len(in_fallback)
+    # the ledger holds every offset: those in the table and those sent to the fallback
+    assert asyncio.run(_ledger(settings, p.name))["events"] == {"in/0": [[1, 50]]}
+
+
+def test_a_delta_sink_with_a_failure_policy_is_refused_at_its_start(spark, nats_server, tmp_path):
+    """The Delta sink is a Spark data source writer, not a foreachBatch function (yet): its
+    retryStrategy would not apply, so the step says so instead of ignoring it."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.read_text().replace("          path: sinks/raw\n", "          path: sinks/raw\n"
+                                             "        retryStrategy:\n          backoff: {steps: 3}\n"))
+    specs = load_specs(spec)
+    runner = PipelineRunner(spark, specs, specs.only_pipeline(), nats_server.settings, tmp_path)
+    try:
+        with pytest.raises(StepError, match="sink 'raw': retryStrategy and fallback apply to foreachBatch sinks"):
+            runner._sink_writer(runner.p.vertex("raw"), spark.range(1))
+    finally:
+        runner.close()

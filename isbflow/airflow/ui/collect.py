@@ -86,6 +86,8 @@ def step_view(p: Pipeline, vertex: str, status: StepStatus | None, desired: str 
     view.dlq_total = status.dlq_total
     view.unrouted_total = status.unrouted_total
     view.restarts = status.restarts
+    view.sink_retries, view.fallback_total = status.sink_retries, status.fallback_total
+    view.dropped_total, view.refused_total, view.sink_error = status.dropped_total, status.refused_total, status.sink_error
     view.lag = dict(status.lag)
     view.lag_total = sum(status.lag.values())
     view.error = status.error

@@ -34,6 +34,13 @@ class StepView(BaseModel):
     dlq_total: int = 0
     unrouted_total: int = 0  # records no out edge's conditions.tags took (Numaflow's "dropped")
     restarts: int = 0
+    # a sink's failure policy (retryStrategy, fallback): failed attempts, records to the fallback,
+    # records dropped, records refused one by one; the failure while attempts go on
+    sink_retries: int = 0
+    fallback_total: int = 0
+    dropped_total: int = 0
+    refused_total: int = 0
+    sink_error: str | None = None
     lag: dict[str, int] = Field(default_factory=dict)  # input stream -> messages behind
     lag_total: int = 0
     error: str | None = None
