@@ -385,16 +385,22 @@ class DeltaSinkDataSource(DataSource):
                 f"{SHORT_NAME}: output mode complete/overwrite is not supported; use append"
             )
         options = DeltaSinkOptions.from_options(self.options)
-        checked = [("partitionBy", list(options.partition_by))]
-        if options.mode != "append":
-            checked.append(("mergeKey", list(options.merge_key)))
-        if options.version_column:
-            checked.append(("versionColumn", [options.version_column]))
-        for option, columns in checked:
-            missing = [c for c in columns if c not in schema.fieldNames()]
-            if missing:
-                raise DeltaSinkOptionError(
-                    f"{SHORT_NAME} at {options.path}: {option} columns {missing} are not in the "
-                    f"stream's columns {schema.fieldNames()}"
-                )
+        check_columns(options, schema.fieldNames())
         return DeltaStreamWriter(options, schema)
+
+
+def check_columns(options: DeltaSinkOptions, columns: list[str]) -> None:
+    """:class:`DeltaSinkOptionError` unless the columns the options name (partitionBy, and
+    mergeKey and versionColumn in merge/upsert mode) are among the stream's ``columns``."""
+    checked = [("partitionBy", list(options.partition_by))]
+    if options.mode != "append":
+        checked.append(("mergeKey", list(options.merge_key)))
+    if options.version_column:
+        checked.append(("versionColumn", [options.version_column]))
+    for option, names in checked:
+        missing = [c for c in names if c not in columns]
+        if missing:
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME} at {options.path}: {option} columns {missing} are not in the "
+                f"stream's columns {list(columns)}"
+            )
