@@ -1,6 +1,13 @@
-"""Delta sink, driver side: the Spark data source and one Delta commit per micro-batch.
+"""Delta sink, driver side: one Delta commit per micro-batch, and the Python stream writer ``isb-delta``.
 
-Contract (exactly once per micro-batch and app id):
+:func:`commit_batch` is the commit of both writers: the one a step runs,
+:class:`isbflow.sinks.delta_spark.DeltaBatchWriter` (Spark's own Parquet writer;
+its files are adopted into the table folder under the same names and markers
+before it calls :func:`commit_batch`), and the ``isb-delta`` data source below,
+whose Python tasks write the Parquet with pyarrow (kept for direct use; no step
+uses it: it copies every row from the JVM into Python).
+
+Contract (exactly once per micro-batch and app id), told for ``isb-delta``:
 
 - ``write`` runs in executor tasks (:func:`isbflow.sinks.delta_files.write_batch_files`).
   It writes the task's rows as Parquet files straight into the table folder
