@@ -63,6 +63,11 @@ spec:
       sink:
         delta:
           path: sinks/raw
+    - name: livehigh
+      source:
+        jetstream:
+          subject: bench.livehigh
+        schema: "{cm.SOURCE_DDL}, pub_ns BIGINT"
     - name: liveraw
       sink:
         delta:
@@ -71,6 +76,8 @@ spec:
     - from: in
       to: raw
     - from: live
+      to: liveraw
+    - from: livehigh
       to: liveraw
 """
 
@@ -93,6 +100,7 @@ class Config:
     events: int  # C, D, E
     live_seconds: float
     live_rate: float
+    live_rate_high: float  # F again at this rate (0: not run)
     trigger: str
     json_files: int
     frame_rows: int
@@ -302,18 +310,21 @@ def fetch_loop(settings, stream: str, subject: str, count: int, batch: int = 100
     return asyncio.run(run())
 
 
-def live_latency(bench: Bench, cfg: Config, settings_json: str) -> dict:
-    """F: events at a fixed rate from a subprocess, a continuous events -> from_json -> Delta query."""
+def live_latency(bench: Bench, cfg: Config, settings_json: str, rate: float | None = None,
+                 source: str = "live", name: str = "F") -> dict:
+    """F: events at a fixed rate (``rate``, default ``cfg.live_rate``) from a subprocess into source
+    ``source`` (its own stream), a continuous events -> from_json -> Delta query (table ``name``)."""
+    rate = rate or cfg.live_rate
     import numpy as np
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
 
-    src = bench.events("live", max(1, int(cfg.live_rate * 5)))
+    src = bench.events(source, max(1, int(rate * 5)))
     ddl = f"{cm.SOURCE_DDL}, pub_ns BIGINT"
     df = src.select(F.from_json("value", ddl).alias("r"), "_isb_id", "_isb_ts").select("r.*", "_isb_id", "_isb_ts")
-    q, path, t0 = bench._sink(df, "F", 0, trigger={"processingTime": cfg.trigger})
+    q, path, t0 = bench._sink(df, name, 0, trigger={"processingTime": cfg.trigger})
     time.sleep(3)  # the query's first (empty) batch
-    req = json.dumps({"settings": settings_json, "subject": "bench.live", "rate": cfg.live_rate,
+    req = json.dumps({"settings": settings_json, "subject": f"bench.{source}", "rate": rate,
                       "seconds": cfg.live_seconds})
     pub = subprocess.run([sys.executable, __file__, "--publish-live"], input=req, capture_output=True,
                          text=True, timeout=cfg.live_seconds * 3 + 120)
@@ -354,7 +365,7 @@ def live_latency(bench: Bench, cfg: Config, settings_json: str) -> dict:
         "commits": len(commits), "nonempty_batches": len(batches),
         "batch_ms_p50": cm.percentile(dur, 0.5), "batch_ms_p99": cm.percentile(dur, 0.99),
         "batch_rows_p50": cm.percentile(sorted(p["numInputRows"] for p in batches), 0.5),
-        "peak_rss_bytes": (bench.sampler.peaks.get("F") or {}).get("rss_bytes"),
+        "peak_rss_bytes": (bench.sampler.peaks.get(name) or {}).get("rss_bytes"),
         "method": ("each event carries its publish time (pub_ns, time.time_ns() just before the "
                    "publish call, in the publisher subprocess); its visible time is the mtime of the "
                    "_delta_log/<version>.json that added the Parquet file holding it (the moment a "
@@ -378,6 +389,8 @@ def main() -> None:
     ap.add_argument("--events", type=int, help="one-record messages for C, D, E (default 1,000,000; quick 20,000)")
     ap.add_argument("--live-seconds", type=float, help="F duration (default 120; quick 15)")
     ap.add_argument("--live-rate", type=float, help="F events/s (default 20000; quick 2000)")
+    ap.add_argument("--live-rate-high", type=float,
+                    help="F again at this rate, as long (default 100000; quick 0: not run)")
     ap.add_argument("--trigger", default="200 milliseconds", help="F processingTime trigger")
     ap.add_argument("--out", default=str(BENCH / "results" / "throughput.json"))
     ap.add_argument("--diagnose", action="store_true",
@@ -394,6 +407,7 @@ def main() -> None:
     cfg = Config(
         records=records, events=args.events or (20_000 if q else 1_000_000),
         live_seconds=args.live_seconds or (15 if q else 120), live_rate=args.live_rate or (2000 if q else 20_000),
+        live_rate_high=args.live_rate_high if args.live_rate_high is not None else (0 if q else 100_000),
         trigger=args.trigger, json_files=20 if q else 50,
         frame_rows=max(100, min(10_000, records // 20)),
     )
@@ -507,6 +521,16 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
             log(f"F: FAILED {str(e)[:300]}")
             result["F"] = {"error": str(e)[:3000], "latency_p50_s": None, "latency_p99_s": None}
         log(f"F: p50 {result['F']['latency_p50_s']} p99 {result['F']['latency_p99_s']}")
+        if cfg.live_rate_high:
+            log(f"F high: {cfg.live_rate_high:.0f} events/s for {cfg.live_seconds:.0f} s")
+            try:
+                result["F_high"] = live_latency(bench, cfg, bench.settings_json, cfg.live_rate_high,
+                                                source="livehigh", name="F-high")
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                log(f"F high: FAILED {str(e)[:300]}")
+                result["F_high"] = {"error": str(e)[:3000], "latency_p50_s": None, "latency_p99_s": None}
+            log(f"F high: p50 {result['F_high']['latency_p50_s']} p99 {result['F_high']['latency_p99_s']}, "
+                f"visible {result['F_high'].get('records_visible')} of {result['F_high'].get('publisher')}")
         sampler.phase = "end"
         nats_rss = cm.status_bytes(nats_pid, "VmRSS")
         result["nats_server_rss_bytes_at_end"] = nats_rss
@@ -630,6 +654,11 @@ def print_table(r: dict) -> None:
     print(f"  G replay: {g['records_per_s']!s:>5} / {g['steady_records_per_s']}")
     print(f"  D fetch loop: {r['D']['records_per_s']} (with json.loads {r['D']['fetch_and_parse_records_per_s']})")
     print(f"  produce frames: {r['produce_frames']['records_per_s']}  events: {r['produce_events']['rate']}")
+    for key in ("F", "F_high"):
+        f = r.get(key)
+        if f and f.get("publisher"):
+            print(f"  {key}: {f['publisher'].get('achieved_rate')} events/s achieved, {f['records_visible']} of "
+                  f"{f['publisher'].get('acked')} visible, latency p50 {f['latency_p50_s']} s p99 {f['latency_p99_s']} s")
     if r.get("where_time_goes"):
         print("\nsteady records/s into Delta / into noop (ratio) [Python writer]: bound by")
         for k, w in r["where_time_goes"].items():
