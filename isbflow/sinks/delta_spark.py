@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from urllib.parse import unquote
 
@@ -102,6 +103,13 @@ class DeltaBatchWriter:
 
     def __init__(self, options: DeltaSinkOptions):
         self.options = options
+        #: seconds spent per step (write, adopt, offsets, commit), summed over the batches: what bounds the sink
+        self.seconds: dict[str, float] = dict.fromkeys(("write", "adopt", "offsets", "commit"), 0.0)
+
+    def _timed(self, step: str, started: float) -> float:
+        now = time.perf_counter()
+        self.seconds[step] += now - started
+        return now
 
     def check(self, columns: list[str]) -> None:
         """:class:`~isbflow.sinks.delta_files.DeltaSinkOptionError` unless the sink's columns
@@ -116,16 +124,22 @@ class DeltaBatchWriter:
         schema = delta_arrow_schema(to_arrow_schema(df.schema, timezone="UTC"))
         staging = os.path.join(pending_dir(opts.path, opts.app_id, batch_id),
                                f"{STAGING_PREFIX}{uuid.uuid4().hex}")
+        t = time.perf_counter()
         try:
             write_staged(df, staging, opts.partition_by)
+            t = self._timed("write", t)
             actions = adopt_staged_files(opts, staging, batch_id, schema)
+            t = self._timed("adopt", t)
             offsets = None
             if actions and ledger.ID_COLUMN in df.columns and ledger.ID_COLUMN not in opts.partition_by:
                 offsets = batch_offsets(df.sparkSession, [os.path.join(opts.path, a.path) for a in actions])
+            t = self._timed("offsets", t)
         except BaseException:
             remove_unreferenced_batch_files(opts.path, opts.app_id, batch_id)
             raise
-        return self.commit(DeltaCommitMessage(actions, schema.serialize().to_pybytes(), offsets), batch_id)
+        done = self.commit(DeltaCommitMessage(actions, schema.serialize().to_pybytes(), offsets), batch_id)
+        self._timed("commit", t)
+        return done
 
     def commit(self, message: DeltaCommitMessage, batch_id: int) -> BatchCommit:
         """Driver: the batch's one Delta commit (:func:`isbflow.sinks.delta_commit.commit_batch`).
