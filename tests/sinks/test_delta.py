@@ -15,7 +15,6 @@ from deltalake import DeltaTable, write_deltalake
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import functions as F
 
-from isbflow.isb import ledger
 from isbflow.sinks.delta import (
     DeltaSchemaMismatch,
     DeltaSinkDataSource,
@@ -395,15 +394,17 @@ def test_merge_mode_appends_what_the_ledger_proves_new_and_merges_the_rest(tmp_p
     assert DeltaTable(str(path)).transaction_version(APP + "#e1") == 2
 
 
-def test_batch_offsets_in_the_jvm_equal_the_pyarrow_ranges(spark, tmp_path):
-    """The Spark writer's offsets job (min/max/distinct per partition, ids collected only for a
-    partition with holes) gives exactly what ledger.id_ranges gives on the same ids."""
+def test_batch_offsets_read_the_ids_of_the_batch_files(tmp_path):
+    """The Spark writer's offsets: the _isb_id column of the batch's files, over several files, with
+    holes, a repeated id and ids that name no offset."""
     ids = [f"in/0/{s}" for s in (1, 2, 3, 5, 9, 3)] + [f"in/1/{s}" for s in range(10, 20)] \
         + ["in/1/12", "files/x.json#7", None, "in/2/x", "in/2/-4", "nopart", "a/b/c/7", "a/b/1/7"]
-    path = tmp_path / "ids.parquet"
-    pq.write_table(pa.table({"_isb_id": pa.array(ids, pa.string()), "v": pa.array(range(len(ids)))}), path)
+    files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"_isb_id": pa.array(ids[:8], pa.string())}), files[0])
+    pq.write_table(pa.table({"v": pa.array(range(len(ids) - 8)), "_isb_id": pa.array(ids[8:], pa.string())}),
+                   files[1])
 
-    got = batch_offsets(spark, [str(path)])
+    got = batch_offsets(files)
 
-    assert got == ledger.id_ranges(pa.array(ids, pa.string()))
     assert got == {"a/b/1": [[7, 7]], "in/0": [[1, 3], [5, 5], [9, 9]], "in/1": [[10, 19]]}
+    assert batch_offsets([]) == {}
