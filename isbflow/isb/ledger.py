@@ -71,6 +71,7 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
     count,
     first_gap,
     id_ranges,
+    is_partition,
     normalize,
     overlaps,
     union,

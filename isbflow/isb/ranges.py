@@ -17,6 +17,13 @@ import pyarrow.compute as pc
 
 _PARTITION = re.compile(r"^.+/\d+$")
 
+
+
+def is_partition(name: str) -> bool:
+    """Whether ``name`` is a source partition, ``<source>/<partition>`` (the prefix of an ``_isb_id``)."""
+    return bool(_PARTITION.match(name))
+
+
 #: ``[first, last]`` inclusive sequence ranges, sorted and merged
 Ranges = list[list[int]]
 #: source partition (``<source>/<partition>``) -> its ranges

@@ -1,8 +1,9 @@
 """Sinks: tables with ACID commits that steps write into.
 
-:mod:`isbflow.sinks.delta` is the Delta sink: a Spark stream writer whose tasks
-write Parquet and whose driver commits one Delta transaction per micro-batch,
-plus the driver-side helpers recovery and reprocess use.
+:mod:`isbflow.sinks.delta` is the Delta sink: a ``foreachBatch`` function
+(:mod:`isbflow.sinks.delta_spark`) whose executors write Parquet with Spark's own
+writer and whose driver commits one Delta transaction per micro-batch, plus the
+driver-side helpers recovery and reprocess use.
 :mod:`isbflow.sinks.postgres` is the PostgreSQL sink: a ``foreachBatch`` function
 committing each micro-batch in one PostgreSQL transaction (read back by
 :mod:`isbflow.sinks.pg_read`). :mod:`isbflow.sinks.maintain` compacts and vacuums

@@ -1,14 +1,19 @@
-"""Delta sinks: Spark tasks write Parquet, the driver commits once per micro-batch.
+"""Delta sinks: Spark writes Parquet, the driver commits once per micro-batch.
 
 This module only re-exports the sink's public names, so that
 ``from isbflow.sinks.delta import X`` keeps working. The code lives by where it runs:
 
-- :mod:`isbflow.sinks.delta_files`: executor side. The ``isb-delta`` options,
+- :mod:`isbflow.sinks.delta_spark`: what a step's Delta sink runs.
+  :class:`DeltaBatchWriter`, a ``foreachBatch`` function: Spark's own Parquet
+  writer on the executors, the files adopted into the table and committed
+  once per micro-batch by :func:`commit_batch`.
+- :mod:`isbflow.sinks.delta_files`: executor side of the Python stream writer
+  (``isb-delta``; no step uses it any more). The ``isb-delta`` options,
   a task's rows written as Parquet files in the table folder with their add
   actions (:func:`write_batch_files`, :func:`file_stats`), the commit message,
   the sink's errors.
-- :mod:`isbflow.sinks.delta_commit`: driver side. The Spark data source and
-  stream writer, and :func:`commit_batch`: one Delta commit per micro-batch,
+- :mod:`isbflow.sinks.delta_commit`: driver side. The ``isb-delta`` data source
+  and stream writer, and :func:`commit_batch` (shared by both writers): one Delta commit per micro-batch,
   at most once per app id (its docstring states the exactly-once contract and
   the ``append``, ``merge`` and ``upsert`` modes).
 - :mod:`isbflow.sinks.delta_merge`: driver side, no Spark. Reading a table
@@ -61,6 +66,7 @@ from isbflow.sinks.delta_merge import (
     replace_range,
     sink_version,
 )
+from isbflow.sinks.delta_spark import DeltaBatchWriter, batch_offsets
 
 __all__ = [
     "DEFAULT_ROW_GROUP_ROWS",
@@ -70,6 +76,7 @@ __all__ = [
     "SHORT_NAME",
     "STATS_STRING_PREFIX",
     "BatchCommit",
+    "DeltaBatchWriter",
     "DeltaCommitMessage",
     "DeltaSchemaMismatch",
     "DeltaSinkDataSource",
@@ -80,6 +87,7 @@ __all__ = [
     "MergeResult",
     "ReplaceResult",
     "UpsertResult",
+    "batch_offsets",
     "check_schema",
     "commit_batch",
     "count_rows",

@@ -1,6 +1,13 @@
-"""Delta sink, driver side: the Spark data source and one Delta commit per micro-batch.
+"""Delta sink, driver side: one Delta commit per micro-batch, and the Python stream writer ``isb-delta``.
 
-Contract (exactly once per micro-batch and app id):
+:func:`commit_batch` is the commit of both writers: the one a step runs,
+:class:`isbflow.sinks.delta_spark.DeltaBatchWriter` (Spark's own Parquet writer;
+its files are adopted into the table folder under the same names and markers
+before it calls :func:`commit_batch`), and the ``isb-delta`` data source below,
+whose Python tasks write the Parquet with pyarrow (kept for direct use; no step
+uses it: it copies every row from the JVM into Python).
+
+Contract (exactly once per micro-batch and app id), told for ``isb-delta``:
 
 - ``write`` runs in executor tasks (:func:`isbflow.sinks.delta_files.write_batch_files`).
   It writes the task's rows as Parquet files straight into the table folder
@@ -410,16 +417,23 @@ class DeltaSinkDataSource(DataSource):
                 f"{SHORT_NAME}: output mode complete/overwrite is not supported; use append"
             )
         options = DeltaSinkOptions.from_options(self.options)
-        checked = [("partitionBy", list(options.partition_by))]
-        if options.mode != "append":
-            checked.append(("mergeKey", list(options.merge_key)))
-        if options.version_column:
-            checked.append(("versionColumn", [options.version_column]))
-        for option, columns in checked:
-            missing = [c for c in columns if c not in schema.fieldNames()]
-            if missing:
-                raise DeltaSinkOptionError(
-                    f"{SHORT_NAME} at {options.path}: {option} columns {missing} are not in the "
-                    f"stream's columns {schema.fieldNames()}"
-                )
+        if schema is not None:  # None: a writer driven directly (tests), with no stream to check
+            check_columns(options, schema.fieldNames())
         return DeltaStreamWriter(options, schema)
+
+
+def check_columns(options: DeltaSinkOptions, columns: list[str]) -> None:
+    """:class:`DeltaSinkOptionError` unless the columns the options name (partitionBy, and
+    mergeKey and versionColumn in merge/upsert mode) are among the stream's ``columns``."""
+    checked = [("partitionBy", list(options.partition_by))]
+    if options.mode != "append":
+        checked.append(("mergeKey", list(options.merge_key)))
+    if options.version_column:
+        checked.append(("versionColumn", [options.version_column]))
+    for option, names in checked:
+        missing = [c for c in names if c not in columns]
+        if missing:
+            raise DeltaSinkOptionError(
+                f"{SHORT_NAME} at {options.path}: {option} columns {missing} are not in the "
+                f"stream's columns {list(columns)}"
+            )

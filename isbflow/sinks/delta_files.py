@@ -270,7 +270,8 @@ def _partition_string(value: Any) -> str | None:
     return str(value)
 
 
-def _partition_dir(partition_by: tuple[str, ...], values: Mapping[str, str | None]) -> str:
+def partition_dir(partition_by: tuple[str, ...], values: Mapping[str, str | None]) -> str:
+    """The Hive-style folder of one partition value, ``col=value/...`` (values URI-escaped)."""
     parts = []
     for c in partition_by:
         v = values[c]
@@ -468,7 +469,7 @@ def write_batch_files(
                 pf = files.get(key)
                 if pf is None:
                     name = batch_file_name(options.app_id, batch_id, task_partition)
-                    folder = _partition_dir(options.partition_by, values)
+                    folder = partition_dir(options.partition_by, values)
                     rel = f"{folder}/{name}" if folder else name
                     note_pending(options.path, options.app_id, batch_id, rel)
                     pf = files[key] = _PartitionFile(

@@ -12,12 +12,13 @@ transforms DataFrames:
   ``module:function(df, **references)``; each reference is a broadcast
   ``isb-ref`` table, re-read every micro-batch, so a changed value shows up on
   the next batch;
-* **sink**: read the frames and write the Delta table with ``isb-delta``.
+* **sink**: read the frames and write the Delta table (Spark's Parquet writer, one delta-rs commit
+  per micro-batch: :mod:`isbflow.sinks.delta_spark`) or the PostgreSQL table.
 
 A udf with ``output: update`` (a streaming aggregation) runs in Spark's update
 output mode and publishes through :mod:`isbflow.steps.update` (each row stamped
 with its version); rows of one key always go to one edge partition, and the sink
-it feeds upserts on its ``keys`` (``isb-delta`` ``mode=upsert``, latest version
+it feeds upserts on its ``keys`` (the Delta sink's ``mode=upsert``, latest version
 per key and batch), so every window, open ones included, is in the sink.
 
 A vertex with several output edges runs one query per edge (each with its own
@@ -72,6 +73,7 @@ from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
 from isbflow.steps import routing, sink_policy
+from isbflow.steps.delta_sink import delta_writer
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
     RunningQuery,
@@ -335,9 +337,9 @@ class PipelineRunner:
         return run
 
     def _sink_writer(self, v: Vertex, df):
-        """The ``isb-delta`` writer of sink ``v``: append (or the runner's ``sink_mode``); a sink fed
-        by an update step upserts on its keys, keeping the latest version of a key per batch
-        (``merge`` during recovery: insert the latest version of keys the table lacks)."""
+        """The ``foreachBatch`` writer of sink ``v`` (Delta: :mod:`isbflow.steps.delta_sink`, PostgreSQL:
+        :mod:`isbflow.steps.pg_sink`): append (or the runner's ``sink_mode``); a sink fed by an update
+        step upserts on its keys, keeping the latest version of a key per batch."""
 
         assert v.sink is not None
         mode, keys = self.sink_mode, self.merge_keys.get(v.name)
@@ -346,22 +348,9 @@ class PipelineRunner:
             return df.writeStream.foreachBatch(self._guarded(v, postgres_writer(self, v, df.columns, mode, keys,
                                                                                 upsert)))
         if v.sink.retryStrategy is not None or v.sink.fallback is not None:
-            raise StepError(f"sink {v.name!r}: retryStrategy and fallback apply to foreachBatch sinks "
-                            "(PostgreSQL); the Delta sink's commit is retried by the step's restart policy")
-        w = (df.writeStream.format("isb-delta").option("path", self.sink_path(v))
-             .option("appId", self.sink_app_id(v.name))
-             .option("pipeline", self.p.name).option("sink", v.name)
-             .option("settings", self.settings_json))
-        if upsert:
-            mode = "merge" if self.sink_mode == "merge" else "upsert"
-            keys = keys or upsert
-            w = w.option("versionColumn", VERSION_COLUMN)
-        w = w.option("mode", mode)
-        if keys:
-            w = w.option("mergeKey", ",".join(keys))
-        if v.sink.delta.partitionBy:
-            w = w.option("partitionBy", ",".join(v.sink.delta.partitionBy))
-        return w
+            raise StepError(f"sink {v.name!r}: retryStrategy and fallback apply to PostgreSQL sinks so far; "
+                            "the Delta sink's commit is retried by the step's restart policy")
+        return df.writeStream.foreachBatch(delta_writer(self, v, df.columns, mode, keys, upsert))
 
     def _guarded(self, v: Vertex, write):
         """Sink ``v``'s ``foreachBatch`` function under its failure policy (:mod:`isbflow.steps.sink_policy`)."""

@@ -1,4 +1,5 @@
-"""The Delta sink (isbflow.sinks.delta) against a real SparkSession local[2] and real tables."""
+"""The Delta sink (isbflow.sinks.delta, its Spark writer isbflow.sinks.delta_spark) against a real
+SparkSession local[2] and real tables."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
-from pyspark import TaskContext
 from pyspark.errors import StreamingQueryException
+from pyspark.sql import functions as F
 
 from isbflow.sinks.delta import (
     DeltaSchemaMismatch,
     DeltaSinkDataSource,
     DeltaSinkOptionError,
     DeltaSinkOptions,
-    DeltaStreamWriter,
     commit_batch,
     merge_insert_missing,
     read_sink,
@@ -27,6 +28,7 @@ from isbflow.sinks.delta import (
     sink_version,
     write_batch_files,
 )
+from isbflow.sinks.delta_spark import DeltaBatchWriter, batch_offsets
 from tests.helpers.memory_source import memory_rows
 
 APP = sink_app_id("logs", "out", "events")
@@ -37,28 +39,18 @@ pytestmark = pytest.mark.slow
 # ----------------------------------------------------------------------------- fixtures
 
 
-class FlakyDeltaSink(DeltaSinkDataSource):
-    """isb-delta that fails once at batch 1, where the option ``failAt`` says.
+class FlakyBatchWriter(DeltaBatchWriter):
+    """The Delta sink's writer failing once at batch 1, where ``fail_at`` says.
 
-    ``failAt=task``: task partition 0 raises after its Parquet file is written.
-    ``failAt=driver``: the driver dies after the tasks wrote and before the
-    Delta commit; a dead driver runs neither ``commit`` nor ``abort``, so
-    ``abort`` is skipped too and the batch's files stay behind.
-    A marker file (option ``marker``) makes the failure happen only once.
+    ``task``: a Spark task of the batch's Parquet write raises while it writes
+    (its file is open, rows are in it). ``driver``: the driver dies after the
+    batch's files were written into the table folder and before the Delta
+    commit; a dead driver runs no clean-up, so the batch's files stay behind.
+    A marker file makes the failure happen only once.
     """
 
-    @classmethod
-    def name(cls) -> str:
-        return "isb-delta-flaky"
-
-    def streamWriter(self, schema, overwrite):
-        base = super().streamWriter(schema, overwrite)
-        return FlakyWriter(base.options, schema, self.options["failAt"], self.options["marker"])
-
-
-class FlakyWriter(DeltaStreamWriter):
-    def __init__(self, options, schema, fail_at, marker):
-        super().__init__(options, schema)
+    def __init__(self, options, fail_at, marker):
+        super().__init__(options)
         self.fail_at, self.marker = fail_at, marker
 
     def _fail_once(self) -> bool:
@@ -68,40 +60,31 @@ class FlakyWriter(DeltaStreamWriter):
         except FileExistsError:
             return False
 
-    def write(self, iterator):
-        message = super().write(iterator)
-        ctx = TaskContext.get()
-        batch = int(ctx.getLocalProperty("streaming.sql.batchId"))
-        if self.fail_at == "task" and batch == 1 and ctx.partitionId() == 0:
-            assert message.actions, "the injected failure must come after a file was written"
-            if self._fail_once():
-                raise RuntimeError("injected task failure after writing")
-        return message
+    def __call__(self, df, batch_id):
+        if self.fail_at == "task" and batch_id == 1 and self._fail_once():
+            # the last row of one task's share (ids 1000-1499 and 1500-1999): its file holds rows already
+            boom = F.raise_error(F.lit("injected task failure while writing"))
+            df = df.where(F.when(F.col("id") == 1499, boom).otherwise(F.lit(True)))
+        return super().__call__(df, batch_id)
 
-    def commit(self, messages, batchId):
-        if self.fail_at == "driver" and batchId == 1 and self._fail_once():
+    def commit(self, message, batch_id):
+        if self.fail_at == "driver" and batch_id == 1 and self._fail_once():
+            assert message.actions and all(os.path.exists(os.path.join(self.options.path, a.path))
+                                           for a in message.actions), "the files must be in the table"
             raise RuntimeError("injected driver failure before the Delta commit")
-        super().commit(messages, batchId)
-
-    def abort(self, messages, batchId):
-        if self.fail_at != "driver":
-            super().abort(messages, batchId)
+        return super().commit(message, batch_id)
 
 
-def run_stream(spark, table: Path, checkpoint: Path, *, fmt="isb-delta", source=None, sink=None):
-    """Run memory source -> sink with availableNow to the end; return the finished query."""
+def run_stream(spark, table: Path, checkpoint: Path, *, source=None, sink=None, flaky=None):
+    """Run memory source -> the Delta sink's writer with availableNow to the end; return the query."""
     reader = spark.readStream.format("isb-memory")
     for k, v in {"rows": 2500, "batchRows": 1000, **(source or {})}.items():
         reader = reader.option(k, str(v))
-    writer = (
-        reader.load()
-        .writeStream.format(fmt)
-        .option("checkpointLocation", str(checkpoint))
-        .option("appId", APP)
-    )
-    for k, v in (sink or {}).items():
-        writer = writer.option(k, str(v))
-    query = writer.trigger(availableNow=True).start(str(table))
+    options = DeltaSinkOptions.from_options(
+        {"path": str(table), "appId": APP, **{k: str(v) for k, v in (sink or {}).items()}})
+    writer = FlakyBatchWriter(options, **flaky) if flaky else DeltaBatchWriter(options)
+    query = (reader.load().writeStream.foreachBatch(writer)
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
     query.awaitTermination()
     return query
 
@@ -211,9 +194,9 @@ def test_writer_commit_replay_is_a_no_op(tmp_path):
 @pytest.mark.parametrize("fail_at", ["task", "driver"])
 def test_failed_batch_rerun_leaves_no_duplicates(spark, tmp_path, fail_at):
     table, ckpt = tmp_path / "t", tmp_path / "ckpt"
-    flaky = {"failAt": fail_at, "marker": tmp_path / "failed-once"}
+    flaky = {"fail_at": fail_at, "marker": tmp_path / "failed-once"}
     with pytest.raises(StreamingQueryException, match="injected"):
-        run_stream(spark, table, ckpt, fmt="isb-delta-flaky", sink=flaky)
+        run_stream(spark, table, ckpt, flaky=flaky)
 
     assert (tmp_path / "failed-once").exists()
     assert read_sink(str(table)).num_rows == 1000  # only batch 0 is in the table
@@ -224,7 +207,7 @@ def test_failed_batch_rerun_leaves_no_duplicates(spark, tmp_path, fail_at):
     else:
         assert unreferenced(table)  # a driver crash leaves the batch's files behind
 
-    run_stream(spark, table, ckpt, fmt="isb-delta-flaky", sink=flaky)
+    run_stream(spark, table, ckpt, flaky=flaky)
 
     got = read_sink(str(table))
     assert got.num_rows == 2500
@@ -372,11 +355,6 @@ def test_replace_range_replaces_exactly_the_range_in_one_commit(tmp_path):
     assert DeltaTable(path, version=before).to_pyarrow_table().num_rows == 100
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _register_flaky_sink(spark):
-    spark.dataSource.register(FlakyDeltaSink)
-
-
 def _id_rows(seqs: list[int]) -> pa.Table:
     return pa.table({"_isb_id": pa.array([f"in/0/{s}" for s in seqs]), "v": pa.array(seqs, pa.int64())})
 
@@ -414,3 +392,19 @@ def test_merge_mode_appends_what_the_ledger_proves_new_and_merges_the_rest(tmp_p
     assert set(ids) == {f"in/0/{s}" for s in range(1, 302)} | {"files/x.json#7"}
     # and the replay's commits record the app transaction like any other
     assert DeltaTable(str(path)).transaction_version(APP + "#e1") == 2
+
+
+def test_batch_offsets_read_the_ids_of_the_batch_files(tmp_path):
+    """The Spark writer's offsets: the _isb_id column of the batch's files, over several files, with
+    holes, a repeated id and ids that name no offset."""
+    ids = [f"in/0/{s}" for s in (1, 2, 3, 5, 9, 3)] + [f"in/1/{s}" for s in range(10, 20)] \
+        + ["in/1/12", "files/x.json#7", None, "in/2/x", "in/2/-4", "nopart", "a/b/c/7", "a/b/1/7"]
+    files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"_isb_id": pa.array(ids[:8], pa.string())}), files[0])
+    pq.write_table(pa.table({"v": pa.array(range(len(ids) - 8)), "_isb_id": pa.array(ids[8:], pa.string())}),
+                   files[1])
+
+    got = batch_offsets(files)
+
+    assert got == {"a/b/1": [[7, 7]], "in/0": [[1, 3], [5, 5], [9, 9]], "in/1": [[10, 19]]}
+    assert batch_offsets([]) == {}

@@ -28,6 +28,7 @@ from isbflow.sinks.delta import (
     sink_version,
     write_batch_files,
 )
+from isbflow.sinks.delta_spark import DeltaBatchWriter
 from isbflow.spec import SpecError, load_specs
 from isbflow.steps.update import VERSION_COLUMN, row_version
 from spark_apps import logs
@@ -163,10 +164,11 @@ def test_stream_upserts_with_spark(spark, tmp_path):
     from tests.helpers.memory_source import memory_rows
 
     table, ckpt = tmp_path / "t", tmp_path / "ckpt"
+    writer = DeltaBatchWriter(DeltaSinkOptions.from_options(
+        {"path": str(table), "appId": APP, "mode": "upsert", "mergeKey": "service", "versionColumn": "id"}))
     query = (spark.readStream.format("isb-memory").option("rows", "2500").option("batchRows", "1000").load()
-             .writeStream.format("isb-delta").option("checkpointLocation", str(ckpt)).option("appId", APP)
-             .option("mode", "upsert").option("mergeKey", "service").option("versionColumn", "id")
-             .trigger(availableNow=True).start(str(table)))
+             .writeStream.foreachBatch(writer).option("checkpointLocation", str(ckpt))
+             .trigger(availableNow=True).start())
     query.awaitTermination()
     assert query.exception() is None
     got = read_sink(str(table)).sort_by("service")
@@ -176,10 +178,11 @@ def test_stream_upserts_with_spark(spark, tmp_path):
     assert got.column("value").equals(expected.column("value"))
     assert [h["isb.batchId"] for h in sorted(DeltaTable(str(table)).history(), key=lambda h: h["version"])] \
         == [0, 1, 2]
+    nope = DeltaBatchWriter(DeltaSinkOptions.from_options(
+        {"path": str(tmp_path / "t2"), "appId": APP, "mode": "upsert", "mergeKey": "nope"}))
     with pytest.raises(Exception, match="mergeKey columns \\['nope'\\] are not in the stream's columns"):
-        (spark.readStream.format("isb-memory").load().writeStream.format("isb-delta")
-         .option("checkpointLocation", str(tmp_path / "ck2")).option("appId", APP).option("mode", "upsert")
-         .option("mergeKey", "nope").trigger(availableNow=True).start(str(tmp_path / "t2")).awaitTermination())
+        (spark.readStream.format("isb-memory").load().writeStream.foreachBatch(nope)
+         .option("checkpointLocation", str(tmp_path / "ck2")).trigger(availableNow=True).start().awaitTermination())
 
 
 def test_row_versions_grow_with_batch_and_epoch():

@@ -346,7 +346,7 @@ def test_a_delta_sink_with_a_failure_policy_is_refused_at_its_start(spark, nats_
     specs = load_specs(spec)
     runner = PipelineRunner(spark, specs, specs.only_pipeline(), nats_server.settings, tmp_path)
     try:
-        with pytest.raises(StepError, match="sink 'raw': retryStrategy and fallback apply to foreachBatch sinks"):
+        with pytest.raises(StepError, match="sink .raw.: retryStrategy and fallback apply to PostgreSQL sinks so far"):
             runner._sink_writer(runner.p.vertex("raw"), spark.range(1))
     finally:
         runner.close()
