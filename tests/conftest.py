@@ -115,39 +115,46 @@ def pytest_configure(config):
 
 #: the e2e files that share one live platform (tests/e2e/conftest.py): one worker runs them in order
 _PLATFORM_FILES = ("tests/e2e/test_browser.py", "tests/e2e/test_platform.py")
-
-
-_GROUP = pytest.StashKey[str]()
 #: the longest units, longest first (wall seconds of a quiet serial run, 2026-11-24/25)
-_LONG = ("live-platform", "airflow-home", "tests/recovery/test_faults.py", "tests/e2e/test_bench_soak.py",
-         "tests/recovery/test_recover.py", "tests/e2e/test_bench_quick.py", "tests/recovery/test_reprocess.py",
-         "tests/recovery/test_shadow.py", "tests/steps/test_runner.py", "tests/steps/test_postgres_pipeline.py",
-         "tests/airflow/test_postgres.py")
+_LONG = ("live-platform", "airflow", "tests/recovery/test_faults.py", "tests/e2e/test_bench_soak.py",
+         "tests/recovery/test_recover.py", "tests/e2e/test_bench_quick.py", "tests/e2e/test_bench_cost.py",
+         "tests/recovery/test_reprocess.py", "tests/recovery/test_shadow.py", "tests/steps/test_runner.py",
+         "tests/steps/test_postgres_pipeline.py")
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to under ``make test``'s two pytest-xdist workers.
+
+    A file is one unit (its module fixtures, a PostgreSQL server or a Spark pipeline, start once);
+    the Airflow files and the security checks are one (the session's one migrated Airflow DB, one
+    DAG-runner process); the two files of the shared live platform are one, run in order.
+    """
+    path = nodeid.split("::", 1)[0]
+    if path in _PLATFORM_FILES:
+        return "live-platform"
+    if path.startswith("tests/airflow/") or path == "tests/e2e/test_security.py":
+        return "airflow"
+    return path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` hands out :func:`unit_of`'s units (xdist's own grouping marks do not
+    reach its scheduler under pytest 9.2, whose node ids it can no longer rewrite)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # lazy: only the xdist controller needs it
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Units of work for ``pytest -n 2 --dist loadgroup`` (what ``make test`` runs).
-
-    A file is one unit (its module fixtures, a PostgreSQL server or a Spark pipeline, start once);
-    every file that uses the migrated Airflow home is in one unit (one DB migration, one DAG-runner process);
-    the two files of the shared live platform are one unit, run in order. Without xdist the
-    marks do nothing.
-    """
-    def path(item) -> str:
-        return item.nodeid.split("::", 1)[0]
-
-    airflow_files = {path(i) for i in items
-                     if {"airflow_home", "migrated_airflow_db"} & set(getattr(i, "fixturenames", ()))}
-    for item in items:
-        group = path(item)
-        if group in _PLATFORM_FILES:
-            group = "live-platform"
-        elif group in airflow_files:
-            group = "airflow-home"
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[_GROUP] = group
-    # xdist hands out units in the order they first appear: the longest first, so that neither
-    # worker is left with a long unit at the end (stable: each unit keeps its tests' order)
-    first = {g: i for i, g in reversed(list(enumerate(item.stash[_GROUP] for item in items)))}
-    items.sort(key=lambda it: (_LONG.index(it.stash[_GROUP]) if it.stash[_GROUP] in _LONG else len(_LONG),
-                               first[it.stash[_GROUP]]))
+    """The longest units first: xdist hands out units in the order they first appear, so neither
+    worker is left with a long unit at the end (stable: each unit keeps its tests' order)."""
+    units = [unit_of(item.nodeid) for item in items]
+    first = {u: i for i, u in reversed(list(enumerate(units)))}
+    rank = {id(item): (_LONG.index(u) if u in _LONG else len(_LONG), first[u]) for item, u in zip(items, units, strict=True)}
+    items.sort(key=lambda it: rank[id(it)])
