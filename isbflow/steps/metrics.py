@@ -204,7 +204,12 @@ class PipelineMetrics:
                 return int(json.loads(path.read_text()).get("rows") or 0)
             except (OSError, ValueError):
                 pass
-        return max(0, int((prog.get("sink") or {}).get("numOutputRows") or 0))
+        out = int((prog.get("sink") or {}).get("numOutputRows") or 0)
+        if out < 0 and rq.to is None:
+            # a foreachBatch sink (Delta, PostgreSQL): Spark reports -1; a sink vertex runs no
+            # transform, so the batch's input rows are the rows handed to the sink
+            out = int(prog.get("numInputRows") or 0)
+        return max(0, out)
 
 
 def buffer_usage(lag_frames: int, buffer_max_length: int | None, frame_rows: int = DEFAULT_FRAME_ROWS) -> float:

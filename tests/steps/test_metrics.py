@@ -50,6 +50,16 @@ def value(m: PipelineMetrics, name: str, **labels: str) -> float | None:
     return m.registry.get_sample_value(name, {"pipeline": "logs", **labels})
 
 
+def test_a_foreach_batch_sink_counts_the_rows_it_was_handed():
+    # Spark reports numOutputRows -1 for a foreachBatch sink (the Delta and PostgreSQL sinks)
+    m = PipelineMetrics(P)
+    progress = [_progress(0, 40, 300, "2026-01-01T00:00:01.000Z", out=-1),
+                _progress(1, 2, 100, "2026-01-01T00:00:02.000Z", out=-1)]
+    m.observe(None, _run("raw", [_query(None, progress)], StepStatus("raw", state="running")))  # type: ignore[arg-type]
+    assert value(m, "isbflow_step_records_out_total", step="raw", to="delta") == 42
+    assert value(m, "isbflow_step_records_in_total", step="raw") == 42
+
+
 def test_observe_counts_each_batch_once(tmp_path):
     m = PipelineMetrics(P)
     stats = tmp_path / "stats"
