@@ -25,6 +25,13 @@ from isbflow.isb.server import ServerState, start_embedded, stop_embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A pytest-xdist worker's __main__ has neither a __spec__ nor a __file__, which PySpark's
+# pyspark.sql.connect (imported by Great Expectations) takes for a doctest run: it then calls
+# sys.exit(0) when an optional Spark Connect dependency is missing (pyspark/sql/connect/utils.py).
+_main = sys.modules["__main__"]
+if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
+    _main.__file__ = "<pytest-xdist worker>"
+
 # Spark's Python workers must run the venv's python (NOTES.md), on loopback.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
