@@ -144,6 +144,7 @@ def unit_of(nodeid: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` hands out :func:`unit_of`'s units (xdist's own grouping marks do not
     reach its scheduler under pytest 9.2, whose node ids it can no longer rewrite)."""
