@@ -28,6 +28,7 @@ from isbflow.cli.common import (
     load_or_exit,
     print_json,
 )
+from isbflow.ops import pipeline as ops_pipeline
 
 app = typer.Typer(help="Run the whole platform locally: the ISB service (nats-server), the demo pipeline with a "
                        "producer, and Airflow, on 127.0.0.1 only.", no_args_is_help=True)
@@ -52,6 +53,9 @@ def up(
                     "pace with the clock.")] =
         platform.DEFAULT_RATE,
     master: Annotated[str, typer.Option(help="Spark master of the pipeline's driver.")] = "local[2]",
+    processing_time: Annotated[str | None, typer.Option(
+        help="The trigger interval of every step, e.g. '5 seconds': a longer one costs less CPU per event "
+             "and adds latency per hop (default: the spec's limits.readTimeout, 1 second when unset).")] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Start nats-server, the pipeline with a producer, and Airflow; stay in the foreground.
@@ -66,11 +70,16 @@ def up(
     spec = (pipeline_file or DEMO).resolve()
     server_settings, opts = None, None
     if run_pipeline:
+        if processing_time is not None:
+            try:
+                ops_pipeline.check_processing_time(processing_time)
+            except ops_pipeline.LaunchError as e:
+                fail(f"--processing-time: {e}", 2)
         specs = load_or_exit([spec])
         if len(specs.pipelines) != 1:
             fail(f"{spec}: holds {len(specs.pipelines)} pipelines; the platform runs exactly one", 2)
         server_settings = specs.service_for(next(iter(specs.pipelines.values()))).spec.jetstream.settings
-        opts = platform.PipelineOptions(str(spec), rate=rate, master=master)
+        opts = platform.PipelineOptions(str(spec), rate=rate, master=master, processing_time=processing_time)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ('isbflow platform down') stops it like Ctrl-C
     code, state, owner = 0, None, False

@@ -49,7 +49,7 @@ from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.steps.drain import DrainTimeout, drain_pipeline, resume_pipeline
-from isbflow.steps.driver import cap_own_log
+from isbflow.steps.driver import cap_own_log, check_processing_time
 from isbflow.steps.launch import (
     LaunchError,
     LaunchRecord,
@@ -64,7 +64,8 @@ from isbflow.steps.launch import (
 from isbflow.steps.launch import stop_launch as stop_recorded_launch
 
 __all__ = ["REFERENCE_DIR", "DrainTimeout", "Drained", "IsbUnreachable", "LaunchError", "LaunchRecord",
-           "PipelineError", "PipelineStatus", "Prepared", "StateCheck", "Started", "StreamState", "batch", "drain",
+           "PipelineError", "PipelineStatus", "Prepared", "StateCheck", "Started", "StreamState", "batch", "check_processing_time",
+           "drain",
            "drain_and_wait", "live_launch", "live_launches", "prepare", "put_references", "recovery_line",
            "resume", "run_here", "source_state", "start", "status", "stop_launch", "wait_state"]
 

@@ -104,7 +104,7 @@ def ensure_pipeline(state: PlatformState, opts: PipelineOptions, progress: Progr
         started = ops_pipeline.start(
             Path(opts.spec), specs, p, settings, dd, master=opts.master, workdir=repo_root(),
             references_dir=Path(opts.spec).parent / ops_pipeline.REFERENCE_DIR, env={MARKER_ENV: state.marker},
-            progress=progress)
+            progress=progress, processing_time=opts.processing_time)
     except ops_pipeline.PipelineError as e:
         raise PlatformError(str(e)) from None
     except (ops_pipeline.IsbUnreachable, ops_pipeline.LaunchError) as e:

@@ -73,6 +73,7 @@ class PipelineOptions:
     master: str = "local[2]"
     wait: float = 240.0  # seconds to wait for every step to run (0: do not wait)
     restarts: int = 2  # driver restarts allowed while waiting (a step failed while starting)
+    processing_time: str | None = None  # every step's trigger interval; None: the spec's readTimeout
 
 
 @dataclass

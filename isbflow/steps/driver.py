@@ -35,6 +35,14 @@ LOG_CHECK_S = 5.0
 PROCESSING_TIME = re.compile(r"\d+(\.\d+)? ?(milliseconds?|ms|seconds?|s|minutes?)")  # a trigger interval
 
 
+def check_processing_time(value: str) -> str:
+    """``value`` when it is a trigger interval Spark takes (``'200 milliseconds'``, ``'5 seconds'``,
+    ``'5s'``), else :class:`LaunchError` naming it."""
+    if not PROCESSING_TIME.fullmatch(value):
+        raise LaunchError(f"processing time {value!r} is not an interval such as '200 milliseconds' or '5 seconds'")
+    return value
+
+
 class LaunchError(Exception):
     """A pipeline could not be launched or run; the message says what, where and what to do."""
 
@@ -92,8 +100,8 @@ def driver_command(spec_file: str | Path, *, data_dir: str | Path, trigger: str 
     isbflow = Path(sys.executable).parent / "isbflow"
     if not master or master.startswith("-") or any(c.isspace() or not c.isprintable() for c in master):
         raise LaunchError(f"Spark master {master!r} is not a master URL (e.g. local[2], spark://host:7077)")
-    if processing_time is not None and not PROCESSING_TIME.fullmatch(processing_time):
-        raise LaunchError(f"processing time {processing_time!r} is not an interval such as '200 milliseconds'")
+    if processing_time is not None:
+        check_processing_time(processing_time)
     if steps and len(steps) > 1:
         raise LaunchError(f"cannot launch steps {', '.join(steps)} together: launch the whole pipeline "
                           "(steps=None) or one step at a time")

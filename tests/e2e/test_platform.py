@@ -26,6 +26,7 @@ from isbflow import platform
 from isbflow.isb import server as nats_server
 from isbflow.steps import launch as launcher
 from tests.helpers.live_platform import (
+    PROCESSING_TIME,
     ROOT,
     Api,
     Scenario,
@@ -87,6 +88,8 @@ def test_up_runs_the_demo_on_loopback(scenario):
     assert st["supervised"], st
     assert st["producer"]["alive"] and st["producer"]["rate"] == 200, st["producer"]
     assert st["pipeline"]["launch"]["alive"], st["pipeline"]
+    cmd = psutil.Process(launcher.read_launch(d, PIPELINE).pid).cmdline()  # --processing-time reached the driver
+    assert cmd[cmd.index("--processing-time") + 1] == PROCESSING_TIME, cmd
     # CPU and memory per process (platform status prints both)
     live = [*st["processes"], st["producer"], st["pipeline"]["launch"]]
     assert all(p["cpu_pct"] >= 0 and p["pss_mb"] > 0 for p in live), live
