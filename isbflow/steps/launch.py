@@ -26,7 +26,7 @@ beside it would corrupt the checkpoints; stop it first (:func:`stop_launch`).
 environment only (``NATS_URL`` without credentials, ``NATS_USER`` /
 ``NATS_PASSWORD``, ``NATS_TOKEN``, ``NATS_CREDS``, ``NATS_TLS_*``; see
 :func:`settings_env`), never its command line or the log. The caller's
-``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (``pg_sink``).
+``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (:func:`sink_connections`).
 
 **Seam for clusters.** :func:`driver_command` builds the command for a
 client-mode driver on this machine (``local[N]`` or a standalone master: Spark
