@@ -189,3 +189,41 @@ def test_the_lazy_import_check_can_fail(tmp_path):
     ]) + "\n")
     found = unreasoned_imports(probe)
     assert [f.split(":")[1] for f in found] == ["3", "11", "16"], found
+
+
+#: what ``isbflow --help`` and Airflow's parsing of the DAG files must not load (seconds each)
+HEAVY = ("pyspark", "deltalake", "great_expectations")
+#: the modules the DAG files in dags/ import from isbflow
+DAG_FACES = ["isbflow.airflow.operators.isb", "isbflow.airflow.operators.pipeline",
+             "isbflow.airflow.operators.quality", "isbflow.airflow.operators.replay",
+             "isbflow.airflow.operators.sinks", "isbflow.airflow.operators.watchdog",
+             "isbflow.airflow.sensors.pipeline", "isbflow.airflow.triggers.pipeline",
+             "isbflow.airflow.assets", "isbflow.airflow.catalog", "isbflow.airflow.pipelines"]
+
+
+def heavy_modules_loaded(modules: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The HEAVY modules a fresh interpreter has loaded after importing ``modules``."""
+    import subprocess
+    import sys
+
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_cli_loads_no_heavy_dependency():
+    """``isbflow --help`` (every command group registers when ``isbflow.cli`` is imported) stays
+    light: Spark, delta-rs and GX load only in the commands that use them."""
+    assert heavy_modules_loaded(["isbflow.cli"]) == []
+
+
+def test_the_airflow_faces_load_no_heavy_dependency(tmp_path):
+    """Airflow parses the DAG files every few seconds: the isbflow modules they import load no
+    heavy dependency (a pipeline's own transform modules, imported when its spec is checked, may)."""
+    import os
+
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path)}
+    assert heavy_modules_loaded(DAG_FACES, env) == []
