@@ -44,6 +44,7 @@ This module does not import Airflow.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -268,8 +269,6 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
     environment (the local platform's marker); ``processing_time`` the trigger interval. Reads the
     step heartbeats to judge an existing launch (:class:`~isbflow.isb.connect.IsbUnreachable`: cannot).
     """
-    import asyncio
-
     specs = load_specs([Path(spec_file)])
     p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
     key = launch_key(p.name, steps)
