@@ -94,32 +94,12 @@ def test_no_test_module_shadows_the_standard_library():
     assert not shadows, f"test modules named like standard library modules: {shadows}"
 
 
-#: where every import inside a function says why it is lazy. The other folders join this list
-#: as they are cleaned (issue 13: imports inside functions only for a heavy dependency that must
-#: stay lazy, each with a short reason); "isbflow/x/" is a folder, "isbflow/x/y.py" one module.
-LAZY_IMPORTS_REASONED = [
-    "isbflow/cli/",
-    "isbflow/airflow/operators/",
-    "isbflow/airflow/triggers/",
-    "isbflow/airflow/sensors/",
-    "isbflow/airflow/ui/",
-    "isbflow/airflow/__init__.py",
-    "isbflow/airflow/assets.py",
-    "isbflow/airflow/catalog.py",
-    "isbflow/airflow/pipelines.py",
-    "isbflow/platform/",
-    "isbflow/recovery/",
-    "isbflow/quality/",
-    "isbflow/ops/",
-    "isbflow/spec/",
-]
-#: modules in those folders still being cleaned elsewhere
-LAZY_IMPORTS_NOT_YET: list[str] = [
-    "isbflow/quality/verify.py",
-    "isbflow/ops/sinks.py",
-    "isbflow/spec/models.py",
-    "isbflow/spec/postgres.py",
-]
+#: where every import inside a function says why it is lazy (issue 13: imports inside functions
+#: only for a heavy dependency that must stay lazy, or a cycle, each with a short reason): the whole
+#: package. "isbflow/x/" is a folder, "isbflow/x/y.py" one module.
+LAZY_IMPORTS_REASONED = ["isbflow/"]
+#: modules in those folders exempted while being cleaned elsewhere
+LAZY_IMPORTS_NOT_YET: list[str] = []
 
 
 def unreasoned_imports(path: Path) -> list[str]:
@@ -156,8 +136,7 @@ def unreasoned_imports(path: Path) -> list[str]:
 def test_every_import_inside_a_function_says_why_it_is_lazy():
     """Issue 13: imports inside functions only where a heavy dependency (Spark, Airflow, GX, Delta)
     must stay lazy, each with a ``# lazy: <why>`` comment. Checked in the folders listed in
-    LAZY_IMPORTS_REASONED; the other folders (connector/, isb/, sinks/, steps/, local/,
-    airflow/hooks/) and the modules in LAZY_IMPORTS_NOT_YET join as they are cleaned."""
+    LAZY_IMPORTS_REASONED (the whole package) but the modules in LAZY_IMPORTS_NOT_YET."""
     paths = sorted({p for entry in LAZY_IMPORTS_REASONED
                     for p in ((ROOT / entry).rglob("*.py") if entry.endswith("/") else [ROOT / entry])
                     if str(p.relative_to(ROOT)) not in LAZY_IMPORTS_NOT_YET})
