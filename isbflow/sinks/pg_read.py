@@ -14,7 +14,6 @@ import json
 from dataclasses import dataclass
 
 import pyarrow as pa
-from psycopg import IsolationLevel, sql
 
 from isbflow.isb import ledger
 from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget, bookkeeping_table, connect
@@ -48,6 +47,9 @@ class PgSnapshot:
 def read_snapshot(target: PostgresTarget) -> PgSnapshot:
     """The sink's rows and committed offsets, in one snapshot; :class:`PostgresSinkError` when the
     table does not exist yet."""
+    # lazy: psycopg (~0.2 s); sinks.tables imports this module for every sink, Delta ones too
+    from psycopg import IsolationLevel, sql
+
     table = target.spec.table
     schema, name = (table.split(".") if "." in table else ("public", table))
     conn = connect(target)
