@@ -94,32 +94,12 @@ def test_no_test_module_shadows_the_standard_library():
     assert not shadows, f"test modules named like standard library modules: {shadows}"
 
 
-#: where every import inside a function says why it is lazy. The other folders join this list
-#: as they are cleaned (issue 13: imports inside functions only for a heavy dependency that must
-#: stay lazy, each with a short reason); "isbflow/x/" is a folder, "isbflow/x/y.py" one module.
-LAZY_IMPORTS_REASONED = [
-    "isbflow/cli/",
-    "isbflow/airflow/operators/",
-    "isbflow/airflow/triggers/",
-    "isbflow/airflow/sensors/",
-    "isbflow/airflow/ui/",
-    "isbflow/airflow/__init__.py",
-    "isbflow/airflow/assets.py",
-    "isbflow/airflow/catalog.py",
-    "isbflow/airflow/pipelines.py",
-    "isbflow/platform/",
-    "isbflow/recovery/",
-    "isbflow/quality/",
-    "isbflow/ops/",
-    "isbflow/spec/",
-]
-#: modules in those folders still being cleaned elsewhere
-LAZY_IMPORTS_NOT_YET: list[str] = [
-    "isbflow/quality/verify.py",
-    "isbflow/ops/sinks.py",
-    "isbflow/spec/models.py",
-    "isbflow/spec/postgres.py",
-]
+#: where every import inside a function says why it is lazy (issue 13: imports inside functions
+#: only for a heavy dependency that must stay lazy, or a cycle, each with a short reason): the whole
+#: package. "isbflow/x/" is a folder, "isbflow/x/y.py" one module.
+LAZY_IMPORTS_REASONED = ["isbflow/"]
+#: modules in those folders exempted while being cleaned elsewhere
+LAZY_IMPORTS_NOT_YET: list[str] = []
 
 
 def unreasoned_imports(path: Path) -> list[str]:
@@ -156,8 +136,7 @@ def unreasoned_imports(path: Path) -> list[str]:
 def test_every_import_inside_a_function_says_why_it_is_lazy():
     """Issue 13: imports inside functions only where a heavy dependency (Spark, Airflow, GX, Delta)
     must stay lazy, each with a ``# lazy: <why>`` comment. Checked in the folders listed in
-    LAZY_IMPORTS_REASONED; the other folders (connector/, isb/, sinks/, steps/, local/,
-    airflow/hooks/) and the modules in LAZY_IMPORTS_NOT_YET join as they are cleaned."""
+    LAZY_IMPORTS_REASONED (the whole package) but the modules in LAZY_IMPORTS_NOT_YET."""
     paths = sorted({p for entry in LAZY_IMPORTS_REASONED
                     for p in ((ROOT / entry).rglob("*.py") if entry.endswith("/") else [ROOT / entry])
                     if str(p.relative_to(ROOT)) not in LAZY_IMPORTS_NOT_YET})
@@ -189,3 +168,41 @@ def test_the_lazy_import_check_can_fail(tmp_path):
     ]) + "\n")
     found = unreasoned_imports(probe)
     assert [f.split(":")[1] for f in found] == ["3", "11", "16"], found
+
+
+#: what ``isbflow --help`` and Airflow's parsing of the DAG files must not load (seconds each)
+HEAVY = ("pyspark", "deltalake", "great_expectations")
+#: the modules the DAG files in dags/ import from isbflow
+DAG_FACES = ["isbflow.airflow.operators.isb", "isbflow.airflow.operators.pipeline",
+             "isbflow.airflow.operators.quality", "isbflow.airflow.operators.replay",
+             "isbflow.airflow.operators.sinks", "isbflow.airflow.operators.watchdog",
+             "isbflow.airflow.sensors.pipeline", "isbflow.airflow.triggers.pipeline",
+             "isbflow.airflow.assets", "isbflow.airflow.catalog", "isbflow.airflow.pipelines"]
+
+
+def heavy_modules_loaded(modules: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The HEAVY modules a fresh interpreter has loaded after importing ``modules``."""
+    import subprocess
+    import sys
+
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_cli_loads_no_heavy_dependency():
+    """``isbflow --help`` (every command group registers when ``isbflow.cli`` is imported) stays
+    light: Spark, delta-rs and GX load only in the commands that use them."""
+    assert heavy_modules_loaded(["isbflow.cli"]) == []
+
+
+def test_the_airflow_faces_load_no_heavy_dependency(tmp_path):
+    """Airflow parses the DAG files every few seconds: the isbflow modules they import load no
+    heavy dependency (a pipeline's own transform modules, imported when its spec is checked, may)."""
+    import os
+
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path)}
+    assert heavy_modules_loaded(DAG_FACES, env) == []

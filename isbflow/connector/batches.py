@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from isbflow.isb.errors import BufferReadError
@@ -36,8 +37,6 @@ EVENTS_BATCH_BYTES = 64 * 1024 * 1024
 
 def arrow_schema(schema: StructType) -> pa.Schema:
     """The Arrow schema Spark checks each yielded batch against (UTC timestamps)."""
-    from pyspark.sql.pandas.types import to_arrow_schema
-
     return to_arrow_schema(schema, timezone="UTC")
 
 

@@ -18,6 +18,13 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 
 from isbflow.connector.write_options import (
     ERROR_COLUMN,
@@ -132,8 +139,6 @@ class TaskPublisher:
         return self.report
 
     async def _status_kv(self):
-        from nats.js.errors import BucketNotFoundError
-
         bucket = naming.status_bucket(self.opts.pipeline)
         try:
             return await self.js.key_value(bucket)
@@ -274,8 +279,6 @@ class TaskPublisher:
         self.report.count(buf.partition, "discarded_rows", rows)
 
     async def _settle_oldest(self) -> None:
-        from nats.js.errors import APIError, NoStreamResponseError
-
         f = self.inflight.popleft()
         try:
             ack = await settled(f.future, ACK_TIMEOUT)
@@ -301,8 +304,6 @@ class TaskPublisher:
 
     async def _refused_as_full(self, f: _InFlight) -> None:
         """The stream itself refused the frame (discard new at its limits): onFull decides."""
-        from nats.js.errors import APIError
-
         buf = f.buf
         buf.tight, buf.usage = True, None
         if self.opts.on_full == OnFull.DISCARD_LATEST:
@@ -359,8 +360,6 @@ class TaskPublisher:
 
     async def _usage(self, buf: _Buffer) -> int:
         """Frames in the stream not yet committed downstream."""
-        from nats.js.errors import KeyNotFoundError, NotFoundError
-
         try:
             info = await self.js.stream_info(buf.ep.stream)
         except NotFoundError:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyspark import TaskContext
 from pyspark.sql.datasource import WriterCommitMessage
 
 from isbflow.connector.options import DEFAULT_FRAME_ROWS, int_option
@@ -161,8 +162,6 @@ class WriterOptions:
 
 def spark_task_identity() -> tuple[int, int]:
     """(micro-batch id, task partition id) of the running Spark task. Executor only."""
-    from pyspark import TaskContext
-
     tc = TaskContext.get()
     if tc is None:
         raise RuntimeError("JetStreamStreamWriter.write runs inside a Spark task (no TaskContext here)")

@@ -31,8 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+import nats
+from nats.errors import AuthorizationError, NoServersError, SlowConsumerError
+
 from isbflow.isb import roles
 from isbflow.isb.errors import ConnectorOptionError
+from isbflow.isb.server import EmbeddedNatsError, read_state, role_password_file
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -170,9 +174,6 @@ def resolve_settings(
     if url:
         settings = settings_from_url(url)
     else:
-        # local import: the server module pulls in subprocess bits
-        from isbflow.isb.server import EmbeddedNatsError, read_state, role_password_file
-
         try:
             state = read_state(Path(data_dir) if data_dir else default_data_dir())
         except EmbeddedNatsError as e:
@@ -242,9 +243,6 @@ async def connect(
     restarts: it reconnects up to ``reconnect_attempts`` times per server
     (``-1``: forever), and connection errors from then on are logged.
     """
-    import nats
-    from nats.errors import AuthorizationError, NoServersError, SlowConsumerError
-
     errors: collections.deque[BaseException] = collections.deque(maxlen=8)
     connected = False
     drops: collections.Counter[object] = collections.Counter()

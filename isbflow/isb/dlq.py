@@ -41,7 +41,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, run_with, session
@@ -157,8 +162,6 @@ async def publish_dead_letters(
     subject, and the publish error when the stream is full: a record must
     never vanish silently.
     """
-    from nats.js.errors import NoStreamResponseError
-
     if max_payload is None:
         max_payload = js._nc.max_payload  # the server's limit, learnt on connect
     subject = subject or naming.dlq_subject(pipeline, vertex)
@@ -195,8 +198,6 @@ async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str |
     dead-letter stream) and ``subject``. At most ``limit`` letters. For tests
     and the CLI: it reads message by message.
     """
-    from nats.js.errors import NotFoundError
-
     subject = naming.dlq_subject(pipeline, vertex) if vertex else f"isb.{pipeline}.dlq.>"
     stream = naming.dlq_stream(pipeline)
     async with session(settings, name=f"isbflow-dlq-read-{pipeline}") as nc:
@@ -223,8 +224,6 @@ async def dead_letter_origins(nc, pipeline: str) -> list[str]:
     """The ``_isb_id`` of every dead letter of a pipeline that has one (its ``Isb-Origin`` header),
     oldest first: what the offset ledger folds into a sink's ranges. Bounded by the dead-letter
     stream's own limits; ``[]`` when there is no dead-letter stream."""
-    from nats.js.errors import NotFoundError
-
     stream, subject = naming.dlq_stream(pipeline), f"isb.{pipeline}.dlq.>"
     jsm = nc.jsm()
     out: list[str] = []

@@ -57,13 +57,20 @@ offsets they hold: they record nothing and do not move the low offset (see
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import pyarrow as pa
+from nats.errors import MaxPayloadError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+
 from isbflow.isb import naming
+from isbflow.isb import state as st
 from isbflow.isb.connect import run_with
+from isbflow.isb.dlq import dead_letter_origins
 from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, used through this module too
     PartitionRanges,
@@ -76,6 +83,7 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
     overlaps,
     union,
 )
+from isbflow.isb.read import stream_state
 
 ID_COLUMN = "_isb_id"
 OFFSETS_KEY = "isb.offsets"
@@ -179,11 +187,6 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
     Folds dead-lettered gaps when an entry has grown (module docstring). Raises
     :class:`~isbflow.isb.errors.LedgerFull` when an entry cannot fit in one NATS message.
     """
-    from nats.errors import MaxPayloadError
-    from nats.js.errors import KeyNotFoundError, NotFoundError
-
-    from isbflow.isb.dlq import dead_letter_origins
-
     kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
     limit = max(1, (nc.max_payload or 1024 * 1024) - PUT_HEADROOM)
     dead: PartitionRanges | None = None  # read once, when an entry needs folding
@@ -216,8 +219,6 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
 
 async def read(nc, pipeline: str) -> dict[str, PartitionRanges]:
     """The whole ledger: sink -> partition -> ranges (``{}`` when the bucket is empty or missing)."""
-    from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
-
     try:
         kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
         keys = await kv.keys()
@@ -313,13 +314,13 @@ def first_of(ranges: Ranges, n: int) -> list[int]:
 
 def dead_letter_ranges(origins: Iterable[str | None]) -> PartitionRanges:
     """Per source partition, the sequences of dead-lettered records (their ``origin`` ids)."""
-    import pyarrow as pa
-
     return id_ranges(pa.array([o for o in origins if o], pa.string()))
 
 
 def delta_history_until(path: str, version: int | None) -> PartitionRanges:
     """:func:`history_offsets` of the Delta table at ``path`` (``{}`` without a table)."""
+    # lazy: delta-rs (a 134 MB native library) loads only where a Delta table is read, not in the
+    # CLI or Airflow's DAG parsing, which import isb/
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -396,8 +397,6 @@ async def committed_watermarks(nc, p, sinks: Iterable[str], *, wait_s: float = 3
     runs as each step is confirmed (before the next step's buffers are read); its
     result lands in ``marks``.
     """
-    from isbflow.isb import state as st
-
     sinks = list(sinks)
     chains = {s: p.ancestors(s) | {s} for s in sinks}
     order = [v for v in p.topological_order() if any(v in c for c in chains.values())]
@@ -437,11 +436,6 @@ async def committed_watermarks(nc, p, sinks: Iterable[str], *, wait_s: float = 3
 
 async def _catch_up(nc, p, vertex: str, wait_s: float, poll_s: float) -> StepBehind | None:
     """Wait until ``vertex`` has committed what its input buffers hold now; None when it has."""
-    import asyncio
-
-    from isbflow.isb import state as st
-    from isbflow.isb.read import stream_state
-
     streams = [ep.stream for ep in naming.edge_partitions(p) if ep.to_vertex == vertex]
     needed: dict[str, int] = {}
     for s in streams:

@@ -25,6 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from nats.js.errors import (
+    APIError,  # lazy like every nats import of this package
+    NoStreamResponseError,
+)
+
 #: seconds a caller waits for one acknowledgement before it calls the publish lost
 ACK_TIMEOUT = 30.0
 #: first and largest pause before a message answered with 503 is sent again
@@ -137,8 +142,6 @@ class AckedPublisher:
         try:
             resp = json.loads(data)
             if "error" in resp:
-                from nats.js.errors import APIError  # lazy like every nats import of this package
-
                 APIError.from_error(resp["error"])  # raises the typed error
         except Exception as e:  # noqa: BLE001 - handed to the caller
             self.on_ack(key, None, e)
@@ -146,8 +149,6 @@ class AckedPublisher:
         self.on_ack(key, _AGAIN if resp.get("duplicate") else _FIRST, None)
 
     def _unavailable(self, token: str, key: Any) -> None:
-        from nats.js.errors import NoStreamResponseError
-
         self.unavailable += 1
         now = time.monotonic()
         retry = self._retrying.setdefault(token, [now, _RESEND_FIRST])

@@ -32,6 +32,9 @@ from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
@@ -107,8 +110,6 @@ def _encode(value: Mapping[str, Any]) -> bytes:
 
 async def _entries(kv: Any) -> dict[str, bytes]:
     """Latest value of every live key (deleted keys left out)."""
-    from nats.js.kv import KV_DEL, KV_PURGE
-
     out: dict[str, bytes] = {}
     # Read up to the bucket stream's last sequence as of now. The watcher's first
     # None ("initial values done") can come before the stored entries under load,
@@ -138,9 +139,6 @@ async def _entries(kv: Any) -> dict[str, bytes]:
 async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[str, Mapping[str, Any]],
               *, replace: bool = False) -> dict[str, int]:
     """Store ``rows`` (key -> columns). Returns counts ``written``, ``unchanged``, ``deleted`` and ``revision``."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError
-
     check_rows(rows)
     bucket = naming.reference_bucket(pipeline, name)
     async with session(settings, name="isbflow-ref") as nc:
@@ -184,8 +182,6 @@ async def _within(coro: Coroutine[Any, Any, T], timeout: float, error: Reference
 
 async def revision(settings: NatsSettings, pipeline: str, name: str, timeout: float = LOAD_TIMEOUT) -> int:
     """The table's revision: the bucket stream's last sequence (one small request)."""
-    from nats.js.errors import NotFoundError
-
     async def go() -> int:
         async with session(settings, name="isbflow-ref") as nc:
             try:
@@ -225,8 +221,6 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
     The revision is read before the values, so a put racing with the load makes
     the next revision check reload: never a stale table under a fresh revision.
     """
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
     bucket = naming.reference_bucket(pipeline, name)
 
     async def go() -> tuple[int, dict[str, bytes]]:
@@ -292,6 +286,7 @@ class ReferenceCache:
 
     def dataframe(self, spark: SparkSession) -> DataFrame:
         """``F.broadcast`` of the current table, built once per revision and session."""
+        # lazy: Spark loads only in a step, and `isbflow ref` imports this module
         from pyspark.sql import functions as F
 
         table = self.table()

@@ -266,8 +266,8 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     """Run ``steps`` (default all) of ``p`` in this process: continuously until drained or
     interrupted, or available-now. ``processing_time`` overrides every step's trigger interval
     (default the runner's). Raises :class:`PipelineError` when a step fails."""
-    # lazy: steps.metrics and steps.runner add ~80 ms (prometheus_client, the runner) to every `isbflow` command,
-    # which imports this module; only a foreground run needs them
+    # lazy: steps.runner loads pyspark, deltalake and psycopg (~0.5 CPU-s), steps.metrics prometheus_client;
+    # every `isbflow` command imports this module, only a foreground run needs them
     from isbflow.steps.metrics import serve
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
 

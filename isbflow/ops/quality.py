@@ -18,6 +18,7 @@ from isbflow.quality.checks import SinkOffsetBasis
 from isbflow.quality.errors import QualityError
 from isbflow.quality.reports import UnsafeReportPath, list_reports, report_path
 from isbflow.quality.verify import VerifyError, verify_table
+from isbflow.sinks.tables import sink_table_path
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -129,9 +130,6 @@ class SinkVerification:
 def verify_sinks(p: Pipeline, data_dir: Path, sinks: Sequence[str]) -> list[SinkVerification]:
     """Prove from each sink's Delta table alone (commit metadata and data, no ISB service) which source
     ranges it holds completely and exactly once (:func:`isbflow.quality.verify.verify_table`)."""
-    # lazy: sinks.tables loads pyspark and deltalake (~1-3 s); the UI app imports this module
-    from isbflow.sinks.tables import sink_table_path
-
     out = []
     for name in sinks:
         try:

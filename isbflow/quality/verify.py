@@ -34,6 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
 from isbflow.sinks.delta_log import ForeignCommit, replay_claims, subtract
@@ -115,9 +121,6 @@ def _describe(ranges: PartitionRanges) -> str:
 
 def _current_ids(table):
     """The ``_isb_id`` column of the table's current version (the Parquet files it lists, pyarrow)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     uris = table.file_uris()
     if not uris:
         return pa.chunked_array([], pa.string())
@@ -127,10 +130,6 @@ def _current_ids(table):
 
 def verify_table(path: str | Path) -> Verification:
     """The proof for the Delta table at ``path`` (module docstring)."""
-    import pyarrow.compute as pc
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
     root = Path(path)
     try:
         table = DeltaTable(str(root))

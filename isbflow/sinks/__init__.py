@@ -9,30 +9,8 @@ committing each micro-batch in one PostgreSQL transaction (read back by
 :mod:`isbflow.sinks.pg_read`). :mod:`isbflow.sinks.maintain` compacts and vacuums
 the Delta sinks on a schedule, and :mod:`isbflow.sinks.delta_log` bounds their
 commit logs while keeping what the offset proofs read from them.
+
+The package itself imports nothing: importing :mod:`isbflow.sinks.postgres` must not load
+Spark or delta-rs (``isbflow --help`` and Airflow's DAG parsing reach it); import what you
+use from its module.
 """
-
-from isbflow.sinks.delta import (
-    DeltaSchemaMismatch,
-    DeltaSinkDataSource,
-    DeltaSinkError,
-    DeltaSinkOptionError,
-    MergeResult,
-    merge_insert_missing,
-    read_sink,
-    replace_range,
-    sink_app_id,
-    sink_version,
-)
-
-__all__ = [
-    "DeltaSchemaMismatch",
-    "DeltaSinkDataSource",
-    "DeltaSinkError",
-    "DeltaSinkOptionError",
-    "MergeResult",
-    "merge_insert_missing",
-    "read_sink",
-    "replace_range",
-    "sink_app_id",
-    "sink_version",
-]

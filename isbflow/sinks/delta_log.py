@@ -56,7 +56,10 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
 
 from isbflow.isb import ledger
@@ -181,11 +184,6 @@ def _log_actions(path: Path, version: int) -> tuple[list[str], list[str]] | None
 
 def _file_ids(path: Path, files: list[str]):
     """The ``_isb_id`` column of data files (pyarrow), or None when one of them is gone."""
-    from urllib.parse import unquote
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     arrays = []
     for f in files:
         p = path / unquote(f)

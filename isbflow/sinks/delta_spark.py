@@ -64,6 +64,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake.transaction import AddAction
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from isbflow.isb import ledger
 from isbflow.sinks.delta_commit import (
@@ -115,8 +116,6 @@ class DeltaBatchWriter:
         check_columns(self.options, columns)
 
     def __call__(self, df, batch_id: int) -> BatchCommit:
-        from pyspark.sql.pandas.types import to_arrow_schema  # lazy: pyspark only where Spark runs
-
         opts = self.options
         self.check(df.columns)
         schema = delta_arrow_schema(to_arrow_schema(df.schema, timezone="UTC"))

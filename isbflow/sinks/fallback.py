@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import CommitProperties, Transaction, write_deltalake
+from psycopg import sql
 
 from isbflow.isb import ledger
 from isbflow.sinks.delta_files import delta_arrow_schema
@@ -65,8 +67,6 @@ class PostgresFallback:
         return out.skipped_reason is None
 
     def held(self, batch_id: int) -> list[str] | None:
-        from psycopg import sql
-
         t = self.target
         with connect(t) as conn, conn.cursor() as cur:
             if table_columns(cur, bookkeeping_table(t.spec.table)) is None:
@@ -98,8 +98,6 @@ class DeltaFallback:
         return table.transaction_version(self.app_id) if table is not None else None
 
     def commit(self, rows: pa.Table, batch_id: int) -> bool:
-        from deltalake import CommitProperties, Transaction, write_deltalake
-
         done = self._done(open_table(self.path))
         if done is not None and done >= batch_id:
             return False

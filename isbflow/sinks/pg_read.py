@@ -47,6 +47,7 @@ class PgSnapshot:
 def read_snapshot(target: PostgresTarget) -> PgSnapshot:
     """The sink's rows and committed offsets, in one snapshot; :class:`PostgresSinkError` when the
     table does not exist yet."""
+    # lazy: psycopg (~0.2 s); sinks.tables imports this module for every sink, Delta ones too
     from psycopg import IsolationLevel, sql
 
     table = target.spec.table

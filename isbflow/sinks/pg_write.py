@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 
 if TYPE_CHECKING:
     from isbflow.sinks.postgres import PostgresTarget
@@ -51,7 +52,7 @@ class RefusedRows:
 
 def ident(name: str):
     """``name`` or ``schema.name`` as a quoted SQL identifier."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     return sql.Identifier(*name.split("."))
 
@@ -71,6 +72,7 @@ def _nested(t: pa.DataType) -> bool:
 
 def _rows(table: pa.Table):
     """Row tuples for COPY; nested values as JSON."""
+    # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
     from psycopg.types.json import Jsonb
 
     cols = []
@@ -92,12 +94,10 @@ def _flat(t: pa.DataType) -> bool:
 def copy_rows(cur, stage, table: pa.Table) -> None:
     """COPY ``table`` into the staging table: as CSV written by Arrow (vectorised) when every column
     is flat, else row by row (nested values as JSON)."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     names = sql.SQL(", ").join(map(sql.Identifier, table.schema.names))
     if all(_flat(f.type) for f in table.schema):
-        import pyarrow.csv as pacsv
-
         sink = pa.BufferOutputStream()
         # nulls unquoted and empty, every string quoted: PostgreSQL's CSV tells NULL from ''
         pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False, quoting_style="all_valid"))
@@ -123,7 +123,7 @@ def row_reason(e: BaseException) -> str:
 
 
 def _insert_sql(target: PostgresTarget, names: Sequence[str], copied: Sequence[str], stage):
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     cols = sql.SQL(", ").join(map(sql.Identifier, names))
     source = sql.SQL("SELECT {} FROM {}").format(cols, stage)
@@ -148,7 +148,7 @@ def _insert_sql(target: PostgresTarget, names: Sequence[str], copied: Sequence[s
 def write_rows(cur, target: PostgresTarget, batch: pa.Table) -> tuple[int, RefusedRows]:
     """Write ``batch`` into the target within the open transaction (module doc): (rows inserted or
     updated, the rows refused one by one)."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     have = table_columns(cur, target.spec.table) or []
     names = [n for n in batch.schema.names if n != target.version_column]

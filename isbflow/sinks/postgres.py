@@ -167,7 +167,7 @@ def connect_kwargs(target: PostgresTarget) -> dict[str, object]:
 def connect(target: PostgresTarget):
     """A psycopg connection to the sink's server; :class:`PostgresSinkError` naming the sink and its
     connection (never the password) when that fails."""
-    import psycopg
+    import psycopg  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     kw = connect_kwargs(target)
     try:
@@ -232,7 +232,7 @@ def _column_type(target: PostgresTarget, f: pa.Field) -> str:
 
 def create_tables(cur, target: PostgresTarget, schema: pa.Schema) -> None:
     """Create the bookkeeping table and (from ``schema``) the target, each when missing."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     book = bookkeeping_table(target.spec.table)
     if _schema_of(target.spec.table):
@@ -277,7 +277,7 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
     Rows the table refuses one by one (:mod:`isbflow.sinks.pg_write`) are handed to ``on_refused``
     inside the transaction, before the rest commits (so a fallback holds them before the batch is
     recorded as done); without ``on_refused`` they fail the batch, naming the first one."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     if target.mode not in MODES:
         raise PostgresSinkError(f"{target.where}: mode {target.mode!r} is not one of {', '.join(MODES)}")
@@ -314,7 +314,7 @@ def commit_batch(target: PostgresTarget, batch: pa.Table, batch_id: int, conn=No
     except PostgresSinkError:
         raise
     except Exception as e:
-        import psycopg
+        import psycopg  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
         if isinstance(e, psycopg.Error):
             raise PostgresSinkError(f"{target.where}: batch {batch_id} not committed: "
@@ -342,7 +342,7 @@ def record_offsets(target: PostgresTarget, offsets: dict) -> None:
 
 def committed_offsets(target: PostgresTarget, conn=None) -> dict:
     """The union of the offsets the bookkeeping table records for the sink's table (every app id)."""
-    from psycopg import sql
+    from psycopg import sql  # lazy: psycopg (~0.2 s); `isbflow --help` loads this module
 
     own = conn is None
     conn = conn or connect(target)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN
+from isbflow.sinks.pg_read import read_snapshot
+from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget
 from isbflow.spec.models import Pipeline, Vertex
 
 
@@ -52,9 +54,6 @@ def read_postgres(spark, pipeline: Pipeline, sink: str, data_dir: str | Path):
     """A PostgreSQL sink as :func:`read_version` gives a Delta one, read in one snapshot
     (:func:`isbflow.sinks.pg_read.read_snapshot`): (DataFrame, number of commits, the newest
     commit's ``isb.offsets``, a label naming the table, the offsets its commits hold)."""
-    from isbflow.sinks.pg_read import read_snapshot
-    from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget
-
     v = sink_vertex(pipeline, sink)
     target = PostgresTarget(sink=sink, spec=v.sink.postgres, app_id=f"{pipeline.name}/{sink}:read",
                             data_dir=str(Path(data_dir).absolute()), pipeline=pipeline.name)

@@ -371,7 +371,9 @@ class Replay(SpecModel):
     def _schedule(cls, v: str) -> str:
         if v.strip() in SCHEDULE_PRESETS:
             return v.strip()
-        from croniter import croniter  # Airflow's own cron parser
+        # lazy: croniter (Airflow's own cron parser) is Airflow's dependency, not a direct one of
+        # isbflow's; only a cron `schedule` needs it
+        from croniter import croniter
 
         if v.startswith("@") or not croniter.is_valid(v):
             raise ValueError(f"{v!r} is not a cron expression (e.g. '0 2 * * *') or one of "
@@ -452,10 +454,6 @@ class Pipeline(SpecModel):
 
     def ancestors(self, name: str) -> set[str]:
         """Every vertex with a path to ``name`` (not ``name`` itself, unless on a cycle)."""
-        from isbflow.spec import (
-            graph,  # graph imports this module's constants: a cycle at import time
-        )
-
         return graph.reach(name, lambda n: [e.from_ for e in self.inputs(n)])
 
     def descendants(self, name: str) -> set[str]:

@@ -20,13 +20,13 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from isbflow.isb.connect import NatsSettings
 from isbflow.local.files import LOG_MAX_BYTES, rotate_log
+from isbflow.sinks.postgres import connection_env
 from isbflow.spec.models import Pipeline
-from isbflow.steps.pg_sink import sink_connections
 
 #: the environment variable naming a launched driver's own log file (module docstring)
 LOG_ENV = "ISBFLOW_DRIVER_LOG"
@@ -62,6 +62,16 @@ def settings_env(settings: NatsSettings) -> dict[str, str]:
     if s.tls_insecure:
         env["NATS_TLS_INSECURE"] = "true"
     return env
+
+
+def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``AIRFLOW_CONN_<ID>`` variables (from ``base``, default ``os.environ``) of the Airflow
+    connections pipeline ``p``'s PostgreSQL sinks name, and only those: a launched driver's
+    environment (:func:`driver_env`) has no other Airflow variable."""
+    src = os.environ if base is None else base
+    names = [connection_env(v.sink.postgres.connection) for v in p.spec.vertices
+             if v.sink is not None and v.sink.postgres is not None and v.sink.postgres.connection]
+    return {n: src[n] for n in names if n in src}
 
 
 def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path | None = None,

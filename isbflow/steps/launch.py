@@ -26,7 +26,7 @@ beside it would corrupt the checkpoints; stop it first (:func:`stop_launch`).
 environment only (``NATS_URL`` without credentials, ``NATS_USER`` /
 ``NATS_PASSWORD``, ``NATS_TOKEN``, ``NATS_CREDS``, ``NATS_TLS_*``; see
 :func:`settings_env`), never its command line or the log. The caller's
-``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (``pg_sink``).
+``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (:func:`sink_connections`).
 
 **Seam for clusters.** :func:`driver_command` builds the command for a
 client-mode driver on this machine (``local[N]`` or a standalone master: Spark
@@ -44,6 +44,7 @@ This module does not import Airflow.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -268,8 +269,6 @@ def launch_pipeline(spec_file: str | Path, data_dir: str | Path, settings: NatsS
     environment (the local platform's marker); ``processing_time`` the trigger interval. Reads the
     step heartbeats to judge an existing launch (:class:`~isbflow.isb.connect.IsbUnreachable`: cannot).
     """
-    import asyncio
-
     specs = load_specs([Path(spec_file)])
     p = specs.pipelines[pipeline] if pipeline else specs.only_pipeline()
     key = launch_key(p.name, steps)

@@ -61,6 +61,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -220,8 +221,6 @@ def buffer_usage(lag_frames: int, buffer_max_length: int | None, frame_rows: int
 
 
 def _epoch(ts: str | None) -> float:
-    from datetime import datetime
-
     if not ts:
         return 0.0
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()

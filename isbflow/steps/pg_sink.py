@@ -11,15 +11,13 @@ so a fresh checkpoint after a recovery is not taken for batches already held.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.sinks.postgres import (
     PostgresBatchWriter,
     PostgresSinkError,
     PostgresTarget,
-    connection_env,
 )
 from isbflow.spec.models import Vertex
 from isbflow.steps.restart import StepError
@@ -62,13 +60,3 @@ def postgres_writer(runner, v: Vertex, columns: Sequence[str], mode: str, keys: 
         # the sink's retryStrategy owns a server that is down: its batches are retried (or fall back)
         log.warning("step %s: %s; its batches follow the sink's retryStrategy", v.name, e)
     return writer
-
-
-def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ``AIRFLOW_CONN_<ID>`` variables (from ``base``, default ``os.environ``) of the Airflow
-    connections pipeline ``p``'s PostgreSQL sinks name, and only those: a launched driver's
-    environment (:func:`isbflow.steps.driver.driver_env`) has no other Airflow variable."""
-    src = os.environ if base is None else base
-    names = [connection_env(v.sink.postgres.connection) for v in p.spec.vertices
-             if v.sink is not None and v.sink.postgres is not None and v.sink.postgres.connection]
-    return {n: src[n] for n in names if n in src}

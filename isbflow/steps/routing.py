@@ -31,6 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, StringType
+
 from isbflow.connector.write_options import ERROR_COLUMN, UNROUTED_COLUMN, read_write_totals
 from isbflow.spec.models import Edge, OnUnrouted, Pipeline, TagConditions, TagOperator
 from isbflow.steps.restart import StepError
@@ -53,8 +56,6 @@ def conditional(pipeline: Pipeline, vertex: str) -> bool:
 
 def tag_match(cond: TagConditions, tags: Column | None = None) -> Column:
     """The condition on a record's tags (``_tags`` by default), never null."""
-    from pyspark.sql import functions as F
-
     tags = F.col(TAGS_COLUMN) if tags is None else tags
     # null array = no tags; null elements are no tags either (they would make arrays_overlap null)
     have = F.array_compact(F.coalesce(tags, F.array().cast("array<string>")))
@@ -68,8 +69,6 @@ def tag_match(cond: TagConditions, tags: Column | None = None) -> Column:
 def check_tags(df: DataFrame, pipeline: Pipeline, vertex: str, transform: str) -> None:
     """Raise :class:`RoutingError` when ``vertex`` has conditional out edges and ``df`` has no
     ``_tags`` column of ``array<string>``."""
-    from pyspark.sql.types import ArrayType, StringType
-
     if not conditional(pipeline, vertex):
         return
     edges = ", ".join(e.to for e in pipeline.outputs(vertex) if e.conditions is not None)
@@ -87,8 +86,6 @@ def edge_output(df: DataFrame, pipeline: Pipeline, vertex: str, edge: Edge) -> D
     """What the query of out edge ``edge`` of ``vertex`` writes (module docstring): the records the
     edge takes, plus, on the vertex's first out edge, the unrouted ones marked for the writer;
     ``_tags`` dropped."""
-    from pyspark.sql import functions as F
-
     v = pipeline.vertex(vertex)
     if not v.udf:
         return df  # sources cannot tag (validation), sinks have no out edges

@@ -62,6 +62,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, StructField, StructType
+
 from isbflow.connector.reader import EVENTS_SCHEMA, dead_frames
 from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
@@ -168,8 +171,6 @@ class PipelineRunner:
         return [ep.stream for ep in naming.edge_partitions(self.p) if ep.to_vertex == vertex]
 
     def source_schema(self, v: Vertex):
-        from pyspark.sql.types import StructType
-
         assert v.source is not None
         if not v.source.schema_:
             raise StepError(f"source {v.name!r}: the spec needs source.schema (Spark DDL of one event)")
@@ -186,8 +187,6 @@ class PipelineRunner:
     def _empty_input(self, vertex: str):
         v = self.p.vertex(vertex)
         if v.source:
-            from pyspark.sql.types import StringType, StructField, StructType
-
             schema = EVENTS_SCHEMA if v.source.jetstream else StructType(
                 [StructField("value", StringType()), StructField("_isb_id", StringType())])
             return self.spark.createDataFrame([], schema)
@@ -208,8 +207,6 @@ class PipelineRunner:
 
     def _wire_schema(self, vertex: str):
         """What a vertex's frames carry: its output, plus the row version for an update step."""
-        from pyspark.sql.types import LongType, StructField, StructType
-
         schema = self.output_schema(vertex)
         if self.update_keys(vertex):
             schema = StructType([*schema.fields, StructField(VERSION_COLUMN, LongType())])
@@ -224,8 +221,6 @@ class PipelineRunner:
         return first
 
     def _references(self, v: Vertex) -> dict[str, Any]:
-        from pyspark.sql import functions as F
-
         refs = {}
         for r in (v.udf.references if v.udf else []):
             df = (self.spark.read.format("isb-ref").option("pipeline", self.p.name).option("name", r.name)
@@ -235,9 +230,6 @@ class PipelineRunner:
 
     def apply_transform(self, vertex: str, df):
         """What a vertex does to its input DataFrame (source parse, user transform, or nothing)."""
-        from pyspark.sql import functions as F
-        from pyspark.sql.types import StringType, StructField, StructType
-
         v = self.p.vertex(vertex)
         if v.source:
             schema = self.source_schema(v)
@@ -281,8 +273,6 @@ class PipelineRunner:
         return r.option("mode", "frames").schema(self.input_schema(vertex)).load()
 
     def _start(self, vertex: str, available_now: bool) -> StepRun:
-        from pyspark.sql import functions as F
-
         v = self.p.vertex(vertex)
         run = StepRun(vertex)
         # Spark looks data sources up through the calling thread's active session

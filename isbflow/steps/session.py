@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pyspark.sql import SparkSession
+
 from isbflow.connector.files import FilesDataSource
 from isbflow.connector.reader import JetStreamDataSource
 from isbflow.connector.reference import ReferenceDataSource
@@ -37,9 +39,6 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import (
-        SparkSession,  # lazy: Spark's JVM starts only when a session is asked for
-    )
 
     b = (SparkSession.builder.master(master).appName(app_name)
          .config("spark.driver.host", "127.0.0.1")

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from pyspark.sql import functions as F
 
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
@@ -218,8 +219,6 @@ class SinkPolicy:
 
     def _without(self, df, held: list[str]):
         """``df`` less the rows whose ``_isb_id`` the fallback holds; None when nothing is left."""
-        from pyspark.sql import functions as F
-
         if ledger.ID_COLUMN not in df.columns or not held:
             return df
         if len(set(held)) >= df.count():  # a replay re-reads the same rows: the fallback took them all

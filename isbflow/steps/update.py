@@ -32,6 +32,8 @@ from collections.abc import Iterator, Mapping
 from functools import partial
 
 import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql import functions as F
 
 from isbflow.connector.writer import JetStreamStreamWriter, stream_writer
 
@@ -48,8 +50,6 @@ def row_version(epoch: int, batch_id: int) -> int:
 
 def _publish_task(writer, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Executor (``mapInArrow``): publish this task's rows, yield the pickled report as one row."""
-    from pyspark import TaskContext
-
     ctx = TaskContext.get()
     task = ctx.partitionId() if ctx else 0
     report = JetStreamStreamWriter(writer.options, task_identity=lambda: (batch_id, task)).write(batches)
@@ -70,8 +70,6 @@ class UpdatePublisher:
         self.epoch = epoch
 
     def __call__(self, df, batch_id: int) -> None:
-        from pyspark.sql import functions as F
-
         df = df.withColumn(VERSION_COLUMN, F.lit(row_version(self.epoch, batch_id)).cast("long"))
         writer = stream_writer(self.options, df.schema)
         rows = df.mapInArrow(partial(_publish_task, writer, batch_id), "report binary").collect()

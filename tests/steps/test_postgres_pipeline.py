@@ -34,7 +34,8 @@ from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 from isbflow.steps import sink_policy
-from isbflow.steps.pg_sink import postgres_writer, sink_connections
+from isbflow.steps.driver import sink_connections
+from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers.postgres import HOST, Postgres, running_postgres

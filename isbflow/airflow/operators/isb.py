@@ -27,6 +27,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from isbflow.airflow.hooks.jetstream import JetStreamHook
 from isbflow.airflow.pipelines import resolve_pipeline_file
+from isbflow.ops import isb as ops_isb
 from isbflow.spec import SpecError, load_specs
 
 if TYPE_CHECKING:
@@ -78,9 +79,6 @@ class IsbProvisionOperator(BaseOperator):
         self.force = force
 
     def execute(self, context: Any) -> dict:
-        # lazy: ops.isb loads nats-py (~0.3-0.6 s); DAG parsing must not (it reruns every 30 s)
-        from isbflow.ops import isb as ops_isb
-
         try:
             path = resolve_pipeline_file(self.pipeline_file, self.pipelines_dir or Path.cwd())
             specs = load_specs([path])

@@ -99,7 +99,7 @@ def resolve_target(pipeline_file: str, pipelines_dir: str | None, pipeline: str 
 def prepare_pipeline(target: PipelineTarget, references_dir: Path | None, provision: bool,
                      log: logging.Logger) -> None:
     """Provision the buffers (when asked) and put the reference tables found in ``references_dir``."""
-    # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
+    # lazy: ops.pipeline loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing must not (it reruns every 30 s)
     from isbflow.ops import pipeline as ops
 
     def missing(name: str, file: Path | None) -> None:
@@ -123,7 +123,7 @@ def _log_prepared(prepared, pipeline: str, log: logging.Logger) -> None:
 def _task_errors():
     """An unreachable ISB service or a failed driver may pass on retry; a bad spec, file or
     refused change fails the task without retries."""
-    # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
+    # lazy: ops.pipeline loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing must not (it reruns every 30 s)
     from isbflow.ops import pipeline as ops
 
     try:
@@ -196,7 +196,7 @@ class PipelineStartOperator(_RunsDriver):
         self.startup_grace = startup_grace
 
     def execute(self, context: Any) -> dict:
-        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
+        # lazy: ops.pipeline loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()
@@ -243,7 +243,7 @@ class PipelineDrainOperator(PipelineOperatorBase):
         self.exit_timeout = exit_timeout
 
     def execute(self, context: Any) -> dict:
-        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
+        # lazy: ops.pipeline loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()
@@ -286,7 +286,7 @@ class PipelineBatchOperator(_RunsDriver):
         self.run_timeout = run_timeout
 
     def execute(self, context: Any) -> dict:
-        # lazy: ops.pipeline loads pyspark, deltalake, nats-py (~1.2-1.9 s); DAG parsing must not (it reruns every 30 s)
+        # lazy: ops.pipeline loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing must not (it reruns every 30 s)
         from isbflow.ops import pipeline as ops
 
         t = self.target()

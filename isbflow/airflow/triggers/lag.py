@@ -59,7 +59,7 @@ class PipelineLagTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        # lazy: ops.watch loads pyspark, deltalake and nats-py (~2 s); DAG parsing imports this via sensors/lag.py
+        # lazy: ops.watch loads pyarrow and nats-py (~0.3 CPU-s); DAG parsing imports this via sensors/lag.py
         from isbflow.ops import watch
 
         def problem(e: Exception) -> TriggerEvent:
