@@ -122,8 +122,14 @@ def pytest_configure(config):
 
 #: the e2e files that share one live platform (tests/e2e/conftest.py): one worker runs them in order
 _PLATFORM_FILES = ("tests/e2e/test_browser.py", "tests/e2e/test_platform.py")
+#: Airflow files of long DAG runs (their tests wait more than they compute: 1,480 s wall for 586 CPU-s
+#: as one unit in a measured run), each its own unit so both workers can wait on them; a worker that
+#: runs any Airflow unit migrates its own Airflow DB once (session fixtures are per worker)
+_AIRFLOW_RUNS = ("tests/airflow/test_dags.py", "tests/airflow/test_pipeline_operators.py",
+                 "tests/airflow/test_postgres.py", "tests/e2e/test_security.py")
 #: the longest units, longest first (wall seconds of a quiet serial run, 2026-11-24/25)
-_LONG = ("live-platform", "airflow", "tests/recovery/test_faults.py", "tests/e2e/test_bench_soak.py",
+_LONG = ("live-platform", "tests/recovery/test_faults.py", "tests/airflow/test_dags.py",
+         "tests/airflow/test_pipeline_operators.py", "tests/e2e/test_security.py", "tests/airflow/test_postgres.py", "tests/e2e/test_bench_soak.py",
          "tests/recovery/test_recover.py", "tests/e2e/test_bench_quick.py", "tests/e2e/test_bench_cost.py",
          "tests/recovery/test_reprocess.py", "tests/recovery/test_shadow.py", "tests/steps/test_runner.py",
          "tests/steps/test_postgres_pipeline.py")
@@ -133,13 +139,15 @@ def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to under ``make test``'s two pytest-xdist workers.
 
     A file is one unit (its module fixtures, a PostgreSQL server or a Spark pipeline, start once);
-    the Airflow files and the security checks are one (the session's one migrated Airflow DB, one
-    DAG-runner process); the two files of the shared live platform are one, run in order.
+    the short Airflow files are one (with the worker's migrated Airflow DB and DAG-runner process);
+    the two files of the shared live platform are one, run in order.
     """
     path = nodeid.split("::", 1)[0]
     if path in _PLATFORM_FILES:
         return "live-platform"
-    if path.startswith("tests/airflow/") or path == "tests/e2e/test_security.py":
+    if path in _AIRFLOW_RUNS:
+        return path  # a long file of DAG runs, mostly waiting on its DAG's tasks: its own unit
+    if path.startswith("tests/airflow/"):
         return "airflow"
     return path
 
