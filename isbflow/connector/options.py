@@ -25,7 +25,7 @@ from typing import Literal
 
 from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
-from isbflow.spec.models import DEFAULT_LIMITS
+from isbflow.spec import constants
 
 Mode = Literal["frames", "events"]
 OnLoss = Literal["fail", "replay"]
@@ -113,7 +113,7 @@ class ReaderOptions:
             streams=streams,
             mode=mode,  # type: ignore[arg-type]
             settings=settings,
-            read_max_rows=int_option(options, "readMaxRows", DEFAULT_LIMITS.readBatchSize or 100_000),
+            read_max_rows=int_option(options, "readMaxRows", constants.READ_BATCH_SIZE),
             frame_rows=int_option(options, "frameRows", DEFAULT_FRAME_ROWS),
             source_name=source_name,
             on_buffer_loss=_choice(options, "onBufferLoss", ("fail", "replay"), "fail"),  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ from isbflow.isb.connect import connect
 from isbflow.isb.dlq import DeadLetter, publish_dead_letters
 from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, split_frames
 from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
-from isbflow.spec.models import OnFull
+from isbflow.spec.constants import OnFull
 
 if TYPE_CHECKING:
     import nats.js

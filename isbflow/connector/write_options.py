@@ -21,7 +21,8 @@ from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
 from isbflow.isb.frames import payload_digest
-from isbflow.spec.models import DEFAULT_LIMITS, OnFull
+from isbflow.spec import constants
+from isbflow.spec.constants import OnFull
 from isbflow.spec.paths import private_dir
 
 PARTITION_COLUMN = "_isb_partition"
@@ -92,7 +93,7 @@ class WriterOptions:
     max_payload: int | None = None
     frame_rows: int = DEFAULT_FRAME_ROWS
     buffer_max_length: int | None = None
-    buffer_usage_limit: float = DEFAULT_LIMITS.bufferUsageLimit or 0.8
+    buffer_usage_limit: float = constants.BUFFER_USAGE_LIMIT / 100
     on_full: OnFull = OnFull.RETRY_UNTIL_SUCCESS
     committed_key: str = DEFAULT_COMMITTED_KEY
     dlq_subject: str | None = None

@@ -11,9 +11,12 @@ checks that no two entries of the specs loaded together derive the same name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from isbflow.spec import derived
-from isbflow.spec.models import Pipeline
+
+if TYPE_CHECKING:
+    from isbflow.spec.models import Pipeline
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from isbflow.spec import derived
-from isbflow.spec.models import Pipeline
+
+if TYPE_CHECKING:
+    from isbflow.spec.models import Pipeline
 
 ADMIN = "isbflow"
 READER = "reader"

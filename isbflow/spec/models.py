@@ -32,8 +32,9 @@ from pydantic import (
     model_validator,
 )
 
-from isbflow.spec import graph
+from isbflow.spec import constants, graph
 from isbflow.spec.conditions import ForwardConditions, TagConditions, TagOperator  # noqa: F401 - re-exported
+from isbflow.spec.constants import OnFull  # noqa: F401 - re-exported
 from isbflow.spec.expectations import catalog_problems
 from isbflow.spec.fields import (  # noqa: F401 - re-exported
     MAX_PARTITIONS,
@@ -78,11 +79,6 @@ from isbflow.spec.times import check_time_expression, parse_duration  # noqa: F4
 from isbflow.spec.transforms import declared_package_problem
 
 SOURCE_KINDS = ("jetstream", "files")
-
-
-class OnFull(StrEnum):
-    RETRY_UNTIL_SUCCESS = "retryUntilSuccess"
-    DISCARD_LATEST = "discardLatest"
 
 
 class OnBufferLoss(StrEnum):
@@ -133,7 +129,8 @@ class Limits(SpecModel):
         return None if v is None else round(v * 100)
 
 
-DEFAULT_LIMITS = Limits(readBatchSize=100_000, bufferMaxLength=1_000_000, bufferUsageLimit=80, readTimeout=1.0)
+DEFAULT_LIMITS = Limits(readBatchSize=constants.READ_BATCH_SIZE, bufferMaxLength=constants.BUFFER_MAX_LENGTH,
+                        bufferUsageLimit=constants.BUFFER_USAGE_LIMIT, readTimeout=constants.READ_TIMEOUT_S)
 
 
 class JetStreamSource(SpecModel):
