@@ -46,7 +46,11 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 if "SPARK_SUBMIT_OPTS" not in os.environ:
     from tests.helpers.jvm_cds import with_archive
 
-    os.environ["SPARK_SUBMIT_OPTS"] = with_archive("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+    # C1 alone reserves only 48 MB of code cache (tiered: 240 MB): the live platform's driver, a JVM
+    # that runs seven queries for many minutes, filled it ("CodeCache is full. Compiler has been
+    # disabled.", then interpreted code so slow that the platform's drain took over 600 s)
+    os.environ["SPARK_SUBMIT_OPTS"] = (with_archive("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+                                       + " -XX:ReservedCodeCacheSize=240m")
 
 
 class NatsFixture:
