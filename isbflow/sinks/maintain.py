@@ -44,10 +44,13 @@ it again (the schedule does).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltalake import CommitProperties, DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from isbflow.sinks.delta_files import DeltaSinkError
 from isbflow.sinks.delta_log import (
@@ -63,6 +66,9 @@ from isbflow.sinks.delta_merge import open_table
 
 #: the vacuum retention used when none is given, and the lowest allowed without ``force`` (module docstring)
 DEFAULT_RETENTION_HOURS = 168
+#: compaction attempts on a live sink: a micro-batch that rewrites files the compaction read (an
+#: upsert sink's merge does, every batch) fails its commit; it is run again on the new snapshot
+COMPACT_ATTEMPTS = 5
 __all__ = ["DEFAULT_LOG_RETENTION_HOURS", "DEFAULT_RETENTION_HOURS", "MAINTENANCE_KEY", "MaintenanceError",
            "TableMaintenance", "check_retention", "compact_table", "maintain_table", "vacuum_table"]
 
@@ -114,15 +120,27 @@ def check_retention(retention_hours: int, force: bool = False,
     return retention_hours
 
 
-def compact_table(table: DeltaTable, target_size: int | None = None) -> dict[str, Any]:
-    """One ``OPTIMIZE`` commit rewriting small files (module docstring); delta-rs' metrics."""
-    try:
-        return table.optimize.compact(
-            target_size=target_size,
-            commit_properties=CommitProperties(custom_metadata={MAINTENANCE_KEY: "compact"}))
-    except Exception as e:  # delta-rs raises its own CommitFailedError / DeltaError kinds
-        raise MaintenanceError(f"compacting {table.table_uri} failed ({e}); nothing was changed, run it "
-                               "again (a concurrent rewrite of the same files conflicts)") from e
+def compact_table(table: DeltaTable, target_size: int | None = None, attempts: int = COMPACT_ATTEMPTS,
+                  sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """One ``OPTIMIZE`` commit rewriting small files (module docstring); delta-rs' metrics.
+
+    A commit that conflicts with a concurrent writer (a live sink's micro-batch rewrote or removed
+    files this compaction read) changes nothing; it is run again on the table's new snapshot after
+    0.5 s, 1 s, ... up to ``attempts`` times, then fails naming the table."""
+    for n in range(1, attempts + 1):
+        try:
+            return table.optimize.compact(
+                target_size=target_size,
+                commit_properties=CommitProperties(custom_metadata={MAINTENANCE_KEY: "compact"}))
+        except CommitFailedError as e:
+            if n == attempts:
+                raise MaintenanceError(f"compacting {table.table_uri} failed {attempts} times on concurrent "
+                                       f"commits ({e}); nothing was changed, run it again") from e
+            sleep(0.5 * n)
+            table = DeltaTable(table.table_uri)
+        except Exception as e:  # delta-rs raises its own DeltaError kinds
+            raise MaintenanceError(f"compacting {table.table_uri} failed ({e}); nothing was changed") from e
+    raise AssertionError("unreachable")
 
 
 def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: bool = False) -> list[str]:

@@ -235,3 +235,26 @@ def test_an_upsert_commit_goes_on_when_maintenance_changes_the_table_properties_
     assert done.rows == 10 and len(calls) >= 2  # read again after "Metadata changed"
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 16))
     assert DeltaTable(path).transaction_version(APP) == 1
+
+
+def test_compaction_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_snapshot(tmp_path):
+    """An upsert sink's micro-batch removes files a compaction read (what failed a quick soak:
+    "a concurrent transaction deleted data this operation read"): the compaction runs again."""
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    for b in range(6):
+        commit(opts, b, b * 10 + 1, 10)
+    stale = DeltaTable(path)  # the maintenance job loaded this snapshot ...
+    DeltaTable(path).delete("v <= 5")  # ... and a concurrent commit rewrote a file it reads
+    waits: list[float] = []
+    metrics = compact_table(stale, sleep=waits.append)
+    assert waits == [0.5]  # one conflict, then a clean attempt on the new snapshot
+    assert metrics["numFilesRemoved"] >= 2 and DeltaTable(path).history(1)[0]["operation"] == "OPTIMIZE"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(6, 61))
+
+    for b in range(6, 9):
+        commit(opts, b, b * 10 + 1, 10)
+    stale = DeltaTable(path)
+    DeltaTable(path).delete("v >= 81")
+    with pytest.raises(MaintenanceError, match="failed 1 times on concurrent commits"):
+        compact_table(stale, attempts=1, sleep=waits.append)
