@@ -403,6 +403,17 @@ def raw_sink_check(table: str, expected: set[str]) -> dict:
     return out
 
 
+def undo_all(steps) -> None:
+    """Run each ``(what, undo)`` clean-up in order (``undo`` falsy: nothing to undo), each whatever
+    the one before it raised; a failure is logged naming ``what``."""
+    for what, undo in steps:
+        try:
+            if undo:
+                undo()
+        except Exception as e:  # noqa: BLE001 - go on to the next
+            log(f"stopping the {what}: {e!r}")
+
+
 def log(msg: str) -> None:
     """A timestamped progress line on stderr."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -329,14 +329,9 @@ def run_demo(args, result: dict) -> int:
     finally:
         if record is not None and record.alive():
             result["harness_cpu_s"]["drivers"] += tree_cpu_seconds(cm.descendants(record.pid))
-        for what, undo in (("producer", producer and producer.stop),
-                           ("driver", record and (lambda: stop_launch(work, record.key, grace=20))),
-                           ("nats-server", nats_started and (lambda: stop_embedded(work)))):
-            try:
-                if undo:
-                    undo()
-            except Exception as e:  # noqa: BLE001 - go on to the next
-                log(f"stopping the {what}: {e!r}")
+        cm.undo_all((("producer", producer and producer.stop),
+                     ("driver", record and (lambda: stop_launch(work, record.key, grace=20))),
+                     ("nats-server", nats_started and (lambda: stop_embedded(work)))))
         shutil.rmtree(work, ignore_errors=True)
         if args.spark_conf_dir:
             shutil.rmtree(args.spark_conf_dir, ignore_errors=True)

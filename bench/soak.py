@@ -394,14 +394,9 @@ def run(args, result: dict) -> None:
         from isbflow.steps.launch import stop_launch
 
         # each clean-up runs whatever the one before it raised: the driver and nats-server are stopped by PID
-        for what, undo in (("producer", producer and producer.stop), ("nats session", nats and nats.close),
-                           ("driver", record and (lambda: stop_launch(work, record.key, grace=20))),
-                           ("nats-server", nats_started and (lambda: stop_embedded(work)))):
-            try:
-                if undo:
-                    undo()
-            except Exception as e:  # noqa: BLE001 - go on to the next
-                log(f"stopping the {what}: {e!r}")
+        cm.undo_all((("producer", producer and producer.stop), ("nats session", nats and nats.close),
+                     ("driver", record and (lambda: stop_launch(work, record.key, grace=20))),
+                     ("nats-server", nats_started and (lambda: stop_embedded(work)))))
         if args.keep:
             log(f"kept {work}")
         else:
