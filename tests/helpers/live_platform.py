@@ -54,6 +54,13 @@ def cli(*args: str, data_dir: Path, timeout: float = 120.0, check: bool = False)
     return proc
 
 
+def _terminal_signals() -> None:
+    """SIGINT as a terminal's foreground process has it: a suite started in the background of a
+    non-interactive shell (``make test &``, ``nohup``) inherits SIGINT ignored, and then the Ctrl-C
+    test's SIGINT would do nothing (seen: 600 s waiting for a drain that never started)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def subprocess_env() -> dict[str, str]:
     """The environment for platform subprocesses: no outer NATS_URL/ISBFLOW_HOME/Airflow settings."""
     env = {k: v for k, v in os.environ.items()
@@ -253,7 +260,7 @@ class Scenario:
         with open(log, "wb") as out:
             proc = subprocess.Popen([ISBFLOW, *self.up_args(), "--data-dir", str(self.data_dir)], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                    env=subprocess_env(), start_new_session=True)
+                                    env=subprocess_env(), start_new_session=True, preexec_fn=_terminal_signals)
         up = Up(proc, log)
         self.ups.append(up)
         wait_for(lambda: "isbflow platform is up" in up.text() or proc.poll() is not None, 600,
