@@ -25,10 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from nats.js.errors import (
-    APIError,  # lazy like every nats import of this package
-    NoStreamResponseError,
-)
+from nats.js.errors import APIError, NoStreamResponseError
 
 #: seconds a caller waits for one acknowledgement before it calls the publish lost
 ACK_TIMEOUT = 30.0
