@@ -34,7 +34,9 @@ turned into a rate):
 The JSON's ``slopes``: per metric, the mean over the first tenth and the last tenth of the
 steady run (from the first sample at which every step has committed a batch to the end of
 producing), their ratio ``last / first`` and ``flat`` (ratio <= 1.1). Per-batch CPU and
-commit latency are ratios of the counters' growth over each tenth. At the end the producer
+commit latency are ratios of the counters' growth over each tenth (a tenth in which no batch
+committed, as in a short run on a loaded machine, is widened towards the middle until one has;
+``seconds`` gives each window's span). At the end the producer
 stops, the pipeline is drained and the raw sink is checked exact: every produced event but
 the dead letters, no ``_isb_id`` twice. Targets are reported, never asserted.
 """
@@ -197,11 +199,28 @@ def tenths(series: list[dict], key: str, t0: float, t1: float) -> dict:
         vals = [s[key] for s in part if s.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    first = [s for s in series if t0 <= s["t"] <= t0 + span]
-    last = [s for s in series if t1 - span <= s["t"] <= t1]
+    inside = [s for s in series if t0 <= s["t"] <= t1]
+    first = [s for s in inside if s["t"] <= t0 + span]
+    last = [s for s in inside if s["t"] >= t1 - span]
+    if key in RATIOS:  # a tenth in which no batch committed (a short run on a loaded machine) has no
+        # ratio: widen it, up to the middle of the run, until its denominator grew
+        half = len(inside) // 2
+        first = _widen(first, inside[:half], RATIOS[key][1])
+        last = _widen(last[::-1], inside[half:][::-1], RATIOS[key][1])[::-1]
     a, b = summary(first), summary(last)
     ratio = None if a is None or b is None else (b / a if a else (1.0 if b == 0 else None))
-    return {"first": _round(a), "last": _round(b), "ratio": _round(ratio), "samples": [len(first), len(last)]}
+    spans = [round(part[-1]["t"] - part[0]["t"], 2) if part else 0 for part in (first, last)]
+    return {"first": _round(a), "last": _round(b), "ratio": _round(ratio), "samples": [len(first), len(last)],
+            "seconds": spans}
+
+
+def _widen(part: list[dict], bound: list[dict], den: str) -> list[dict]:
+    """``part`` (a prefix of ``bound``, in the order to grow it) extended along ``bound`` until
+    the counter ``den`` moved between its ends; ``part`` itself when it already has."""
+    n = len(part)
+    while n < len(bound) and (n < 2 or bound[n - 1][den] == bound[0][den]):
+        n += 1
+    return bound[:n] if n > len(part) else part
 
 
 def slopes(series: list[dict], t0: float, t1: float) -> dict:

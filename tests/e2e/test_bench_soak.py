@@ -47,3 +47,31 @@ def test_quick_soak_reports_every_slope_and_loses_nothing(tmp_path):
     assert all(d["folded_through"] is not None and d["log_files_after"] <= 8 for d in done), done
     assert r["machine"]["cores"] and len(r["load_average_end"]) == 3
     assert r["all_flat"] is all(m["flat"] for m in r["slopes"].values())
+
+
+def _soak():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_tenth_in_which_no_batch_committed_is_widened_until_one_did():
+    """CI once saw no batch commit in a quick run's first tenth (4.5 s on a loaded machine): the
+    per-batch CPU then had no first value. The window grows towards the middle until one did."""
+    soak = _soak()
+    # samples every 2 s over 40 s; batches commit from t=8 on, one per 2 s; CPU 0.5 s per batch
+    series = [{"t": t, "batches_total": max(0, (t - 6) // 2), "cpu_s": 0.5 * max(0, (t - 6) // 2) + 0.1 * t}
+              for t in range(0, 42, 2)]
+    m = soak.tenths(series, "cpu_per_batch_s", 0, 40)
+    assert m["first"] is not None and m["last"] is not None, m
+    assert m["seconds"][0] == 8 and m["samples"][0] == 5, m  # 0..8: the first sample that saw a batch
+    assert m["seconds"][1] == 4 and m["samples"][1] == 3, m  # the last tenth had batches: unchanged
+    # a counter that never moves stays without a figure, rather than a made-up one
+    flat = [{**s, "batches_total": 0} for s in series]
+    assert soak.tenths(flat, "cpu_per_batch_s", 0, 40)["first"] is None
+    # a level metric keeps its plain tenths
+    lv = soak.tenths([{**s, "rss_bytes": 100} for s in series], "rss_bytes", 0, 40)
+    assert lv["samples"] == [3, 3] and lv["ratio"] == 1.0, lv

@@ -84,15 +84,31 @@ def malformed_seqs(start_seq: int, start: int, count: int, every: int | None) ->
 # ----------------------------------------------------------------------------- small tools
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    """Poll ``pred`` until it returns something truthy (returned); fail naming ``what`` after ``timeout``."""
+def wait_for(pred: Callable[[], Any], timeout: float, what: str | Callable[[], str], every: float = 0.5) -> Any:
+    """Poll ``pred`` until it returns something truthy (returned); fail naming ``what`` after
+    ``timeout`` (a callable ``what`` is asked then: what the pipeline looked like at the timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         got = pred()
         if got:
             return got
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
         time.sleep(every)
+
+
+def driver_report(settings: NatsSettings, p: Pipeline, rec) -> str:
+    """What a detached driver was doing: whether it runs, each step's state, batch, commits,
+    restarts and error, and its log's tail (what a failed wait on it prints)."""
+    try:
+        got = statuses(settings, p)
+        steps = "\n".join(f"  {v}: " + ("no status" if s is None else
+                                       f"{s.state} batch {s.batch_id} committed {s.committed} restarts "
+                                       f"{s.restarts} age {time.time() - s.updated_at:.0f}s error {s.error}")
+                          for v, s in got.items())
+    except Exception as e:  # noqa: BLE001 - a report, never the failure itself
+        steps = f"  (statuses unreadable: {e!r})"
+    return f"driver pid {rec.pid} alive {rec.alive()}, log {rec.log}\n{steps}\n--- log tail\n{rec.log_tail(40)}"
 
 
 async def _with_nc(settings: NatsSettings, fn):

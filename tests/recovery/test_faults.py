@@ -190,13 +190,13 @@ def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_ser
     try:
         rec = launch_pipeline(spec, data_dir, settings, workdir=h.ROOT)
         h.wait_for(lambda: _all_running(settings, p, rec.pid), 300,
-                   f"every step of the driver to run (log {rec.log})")
+                   lambda: f"every step of the driver to run: {h.driver_report(settings, p, rec)}")
         h.wait_for(lambda: h.committed(settings, p, "raw", "isb-logs-enrich-raw-0") > 0, 300,
-                   f"the raw sink's first commit (log {rec.log})")
+                   lambda: f"the raw sink's first commit: {h.driver_report(settings, p, rec)}")
         producer.start()
         # records flow: the source step commits what the producer publishes now
         h.wait_for(lambda: h.committed(settings, p, "in", "src-logs-in") > first + 300, 120,
-                   f"the driver to read the live records (log {rec.log})")
+                   lambda: f"the driver to read the live records: {h.driver_report(settings, p, rec)}")
         assert producer.is_alive() and producer.error is None, "records must still flow at the kill"
 
         h.kill_group(rec.pid)
@@ -211,7 +211,7 @@ def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_ser
         assert not again.reused and again.pid != rec.pid
         published = first + during
         h.wait_for(lambda: h.committed(settings, p, "in", "src-logs-in") >= published, 400,
-                   f"the restarted driver to read every event (log {again.log})")
+                   lambda: f"the restarted driver to read every event: {h.driver_report(settings, p, again)}")
         final = h.drain(settings, p, timeout=300)
         assert {v: s.state for v, s in final.items()} == {v: "drained" for v in p.topological_order()}
         assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
