@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from isbflow.cli import nats as nats_cli
-from isbflow.cli.common import JsonOut, console, fail, print_json
+from isbflow.cli.common import JsonOut, console, err_console, fail, print_json
 from isbflow.spec import SpecError, load_specs
 
 app = typer.Typer(
@@ -73,4 +73,15 @@ _register_optional()
 
 
 def main() -> None:
-    app()
+    """``isbflow``: the app, with a failure of the ISB service in the middle of a command (a
+    request that timed out, a connection the server closed) told in one line and exit 1, like
+    an unreachable one (:func:`isbflow.cli.common.call`), instead of a traceback."""
+    try:
+        app()
+    except Exception as e:
+        if type(e).__module__.partition(".")[0] != "nats":
+            raise
+        err_console.print(f"the ISB service stopped answering in the middle of the command: nats {type(e).__name__}"
+                          f"{': ' + str(e) if str(e) else ''}. Check that it runs ('isbflow nats status' for the "
+                          "embedded one) and run the command again.", style="red", markup=False, highlight=False)
+        raise SystemExit(1) from None
