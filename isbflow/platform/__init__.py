@@ -277,13 +277,17 @@ def stop(data_dir: Path, grace: float = 20.0, drain_timeout: float = 180.0,
     if state is None:
         return None
     report = StopReport(state)
+    # the drivers' sessions, taken before they drain and exit: a Python worker or daemon of a driver
+    # can outlive its JVM for a moment (seen after a Ctrl-C), and once the driver is gone its
+    # session no longer counts among the platform's live processes
+    drivers = [r.pid for r in live_launches(data_dir)]
     if state.producer is not None and state.producer.alive():
         progress(f"stopping the producer (pid {state.producer.pid})")
         stop_groups([state.producer], 5.0)
     report.drained = drain_launches(data_dir, drain_timeout, progress)
     progress("stopping Airflow")
     stop_groups(state.processes, grace)
-    leftovers = platform_processes(state)
+    leftovers = sorted(set(platform_processes(state)) | set(session_processes(drivers, state.marker)))
     if leftovers:
         progress(f"stopping {len(leftovers)} leftover process(es) of this platform")
         kill_pids(leftovers)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import CommitFailedError
@@ -69,6 +69,7 @@ DEFAULT_RETENTION_HOURS = 168
 #: compaction attempts on a live sink: a micro-batch that rewrites files the compaction read (an
 #: upsert sink's merge does, every batch) fails its commit; it is run again on the new snapshot
 COMPACT_ATTEMPTS = 5
+T = TypeVar("T")
 __all__ = ["DEFAULT_LOG_RETENTION_HOURS", "DEFAULT_RETENTION_HOURS", "MAINTENANCE_KEY", "MaintenanceError",
            "TableMaintenance", "check_retention", "compact_table", "maintain_table", "vacuum_table"]
 
@@ -123,31 +124,40 @@ def check_retention(retention_hours: int, force: bool = False,
 def compact_table(table: DeltaTable, target_size: int | None = None, attempts: int = COMPACT_ATTEMPTS,
                   sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
     """One ``OPTIMIZE`` commit rewriting small files (module docstring); delta-rs' metrics.
+    Run again on a fresh snapshot when a live sink's commit conflicts (:func:`_on_fresh_snapshot`)."""
+    return _on_fresh_snapshot("compacting", table, lambda t: t.optimize.compact(
+        target_size=target_size, commit_properties=CommitProperties(custom_metadata={MAINTENANCE_KEY: "compact"})),
+        attempts, sleep)
 
-    A commit that conflicts with a concurrent writer (a live sink's micro-batch rewrote or removed
-    files this compaction read) changes nothing; it is run again on the table's new snapshot after
-    0.5 s, 1 s, ... up to ``attempts`` times, then fails naming the table."""
+
+def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: bool = False,
+                 attempts: int = COMPACT_ATTEMPTS, sleep: Callable[[float], None] = time.sleep) -> list[str]:
+    """Delete files the log removed more than ``retention_hours`` ago (module docstring); their paths.
+    Its start/end commits can conflict with a live sink's commit like a compaction (seen in a quick
+    soak: an upsert removed files meanwhile); it is run again on a fresh snapshot then."""
+    check_retention(retention_hours, force)
+    return _on_fresh_snapshot("vacuuming", table, lambda t: t.vacuum(
+        retention_hours=retention_hours, dry_run=dry_run,
+        enforce_retention_duration=retention_hours >= DEFAULT_RETENTION_HOURS), attempts, sleep)
+
+
+def _on_fresh_snapshot(what: str, table: DeltaTable, action: Callable[[DeltaTable], T], attempts: int,
+                       sleep: Callable[[float], None]) -> T:
+    """``action(table)``. A commit that conflicts with a concurrent writer (a live sink's micro-batch
+    rewrote or removed files this operation read) changes nothing; it is run again on the table's
+    new snapshot after 0.5 s, 1 s, ... up to ``attempts`` times, then fails naming the table."""
     for n in range(1, attempts + 1):
         try:
-            return table.optimize.compact(
-                target_size=target_size,
-                commit_properties=CommitProperties(custom_metadata={MAINTENANCE_KEY: "compact"}))
+            return action(table)
         except CommitFailedError as e:
             if n == attempts:
-                raise MaintenanceError(f"compacting {table.table_uri} failed {attempts} times on concurrent "
+                raise MaintenanceError(f"{what} {table.table_uri} failed {attempts} times on concurrent "
                                        f"commits ({e}); nothing was changed, run it again") from e
             sleep(0.5 * n)
             table = DeltaTable(table.table_uri)
         except Exception as e:  # delta-rs raises its own DeltaError kinds
-            raise MaintenanceError(f"compacting {table.table_uri} failed ({e}); nothing was changed") from e
+            raise MaintenanceError(f"{what} {table.table_uri} failed ({e}); run it again") from e
     raise AssertionError("unreachable")
-
-
-def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: bool = False) -> list[str]:
-    """Delete files the log removed more than ``retention_hours`` ago (module docstring); their paths."""
-    check_retention(retention_hours, force)
-    return table.vacuum(retention_hours=retention_hours, dry_run=dry_run,
-                        enforce_retention_duration=retention_hours >= DEFAULT_RETENTION_HOURS)
 
 
 def maintain_table(path: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *, dry_run: bool = False,

@@ -8,6 +8,7 @@ import os
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from isbflow.isb import ledger
 from isbflow.quality.verify import verify_table
@@ -258,3 +259,31 @@ def test_compaction_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_
     DeltaTable(path).delete("v >= 81")
     with pytest.raises(MaintenanceError, match="failed 1 times on concurrent commits"):
         compact_table(stale, attempts=1, sleep=waits.append)
+
+
+def test_vacuum_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_snapshot(tmp_path, monkeypatch):
+    """What failed a quick soak after compaction had learnt to retry: VACUUM's own commit, beside
+    an upsert sink's micro-batch that removed files ("a concurrent transaction deleted data this
+    operation read"). It runs again on the new snapshot, or fails naming the table."""
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    for b in range(4):
+        commit(opts, b, b * 10 + 1, 10)
+    compact_table(DeltaTable(path))  # files the log removed: what a vacuum deletes
+    stale = DeltaTable(path)
+    DeltaTable(path).delete("v <= 5")  # a concurrent commit removed a file the vacuum's snapshot reads
+    waits: list[float] = []
+    gone = vacuum_table(stale, 0, dry_run=False, force=True, sleep=waits.append)
+    assert gone and waits in ([], [0.5]), (gone, waits)  # whether delta-rs saw a conflict is its choice
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(6, 41))
+
+    calls = []
+
+    def conflicting(self, **kwargs):
+        calls.append(self.version())
+        raise CommitFailedError("Commit failed: a concurrent transaction deleted data this operation read.")
+
+    monkeypatch.setattr(DeltaTable, "vacuum", conflicting)
+    with pytest.raises(MaintenanceError, match="vacuuming .* failed 3 times on concurrent commits"):
+        vacuum_table(DeltaTable(path), 0, dry_run=False, force=True, attempts=3, sleep=waits.append)
+    assert len(calls) == 3 and waits[-2:] == [0.5, 1.0]
