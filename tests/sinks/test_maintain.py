@@ -274,9 +274,10 @@ def test_vacuum_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_snap
     DeltaTable(path).delete("v <= 5")  # a concurrent commit removed a file the vacuum's snapshot reads
     waits: list[float] = []
     gone = vacuum_table(stale, 0, dry_run=False, force=True, sleep=waits.append)
-    assert gone and waits in ([], [0.5]), (gone, waits)  # whether delta-rs saw a conflict is its choice
+    assert gone and waits == [0.5], (gone, waits)  # delta-rs refused the stale commit once, for real
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(6, 41))
 
+    # giving up: every attempt conflicting is hard to make for real, so delta-rs' vacuum is made to refuse
     calls = []
 
     def conflicting(self, **kwargs):
