@@ -24,6 +24,7 @@ import pytest
 
 from isbflow import platform
 from isbflow.isb import server as nats_server
+from isbflow.platform.procs import marked_processes
 from isbflow.steps import launch as launcher
 from tests.helpers.live_platform import (
     PROCESSING_TIME,
@@ -37,7 +38,7 @@ from tests.helpers.live_platform import (
     delta_rows,
     listening,
     loopback,
-    port_listened,
+    ports_held_by,
     status,
     steps_running,
     wait_for,
@@ -143,7 +144,10 @@ def test_ctrl_c_drains_then_stops_every_process(scenario):
     assert f"pipeline {PIPELINE}: drained" in out, out[-4000:]
     assert "nats-server" in out.splitlines()[-1], out[-2000:]
     assert alive(pids) == set(), f"still running after Ctrl-C: {alive(pids)}"
-    assert [p for p in ports if port_listened(p)] == [], "ports still listened on after Ctrl-C"
+    marked = set(marked_processes(state.marker))
+    assert marked == set(), f"processes carrying the platform's marker still run after Ctrl-C: {marked}"
+    held = ports_held_by(ports, pids | marked)
+    assert held == {}, f"ports still listened on by the platform's processes after Ctrl-C: {held}"
     assert platform.read_state(d) is None
 
     # nothing the source holds is missing from the raw sink (or the dead letters), nothing twice
@@ -167,6 +171,7 @@ def test_up_after_stop_reuses_state_and_down_stops_it(scenario):
     assert password and password not in out, "the admin password is pointed at, never printed"
     printed = re.search(r"login: admin, password in (\S+) ", out)
     assert printed and Path(printed.group(1)).samefile(d / "airflow" / platform.PASSWORD_FILE), out
+    assert "source" in scenario.notes, "test_ctrl_c_drains_then_stops_every_process did not get to its end"
     assert f"from event {scenario.notes['source']:,}" in out, out  # the producer continues, no id reused
     assert re.search(r"buffers: (\d+) streams/buckets \(\1 unchanged\)", out), out  # the buffers were kept
 
@@ -174,13 +179,17 @@ def test_up_after_stop_reuses_state_and_down_stops_it(scenario):
     rows = scenario.notes["rows"]
     wait_for(lambda: delta_rows(scenario.raw) > rows, 300, f"the raw sink to grow past {rows} rows")
 
-    pids = all_pids(platform.read_state(d))
+    state = platform.read_state(d)
+    pids = all_pids(state)
     ports = {port for _, port in listening(pids)}
     down = cli("platform", "down", data_dir=d, timeout=700)
     assert down.returncode == 0, down.stdout + down.stderr
     assert up.proc.wait(timeout=60) == 0, up.text()[-4000:]
     assert f"pipeline {PIPELINE}: drained" in up.text(), up.text()[-4000:]
     assert alive(pids) == set(), f"still running after 'platform down': {alive(pids)}"
-    assert [p for p in ports if port_listened(p)] == [], "ports still listened on after 'platform down'"
+    marked = set(marked_processes(state.marker))
+    assert marked == set(), f"processes carrying the platform's marker still run after 'platform down': {marked}"
+    held = ports_held_by(ports, pids | marked)
+    assert held == {}, f"ports still listened on by the platform's processes after 'platform down': {held}"
     st = status(d)
     assert st["running"] is False and st["processes"] == [], st

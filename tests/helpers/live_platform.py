@@ -121,10 +121,23 @@ def loopback(ip: str) -> bool:
     return ip in ("127.0.0.1", "::ffff:127.0.0.1")
 
 
-def port_listened(port: int) -> bool:
-    """True when any process on this machine listens on TCP ``port`` (any address)."""
-    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-               for c in psutil.net_connections(kind="inet"))
+def port_owners(port: int) -> set[int]:
+    """PIDs of the processes listening on TCP ``port`` (any address; -1 when the owner is not known)."""
+    return {c.pid if c.pid is not None else -1 for c in psutil.net_connections(kind="inet")
+            if c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+
+
+def ports_held_by(ports: set[int], ours: set[int]) -> dict[int, set[int]]:
+    """Of ``ports``, those still listened on by a process of ``ours`` (or by one whose owner is unknown).
+
+    A port a stopped platform released may be taken at once by another test's process on the same
+    machine (Spark's UI takes 4040 or the next free one): that one is not a leak."""
+    held = {}
+    for port in ports:
+        owners = port_owners(port)
+        if owners & (ours | {-1}):
+            held[port] = owners
+    return held
 
 
 def alive(pids: set[int]) -> set[int]:
