@@ -55,6 +55,7 @@ Python writer only (Spark's Parquet writer sizes row groups by bytes).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -86,6 +87,9 @@ from isbflow.sinks.delta_files import (
     partition_dir,
     pending_dir,
 )
+from isbflow.sinks.delta_merge import open_table
+
+_log = logging.getLogger(__name__)
 
 #: prefix of an attempt's staging folder inside the batch's pending folder
 STAGING_PREFIX = "spark-"
@@ -137,6 +141,18 @@ class DeltaBatchWriter:
         done = self.commit(DeltaCommitMessage(actions, schema.serialize().to_pybytes(), offsets), batch_id)
         self._timed("commit", t)
         return done
+
+    def holds(self, batch_id: int) -> bool:
+        """Whether the table holds batch ``batch_id`` of this app id (its transaction is in the log):
+        an attempt may have committed and failed after its commit. False when the table cannot be read."""
+        try:
+            table = open_table(self.options.path)
+            done = table.transaction_version(self.options.app_id) if table else None
+        except Exception as e:  # noqa: BLE001 - the storage that failed the batch may fail this too
+            _log.info("sink %s: cannot tell whether it holds batch %d (%s)", self.options.path, batch_id,
+                      str(e).splitlines()[0] if str(e) else repr(e))
+            return False
+        return done is not None and done >= batch_id
 
     def commit(self, message: DeltaCommitMessage, batch_id: int) -> BatchCommit:
         """Driver: the batch's one Delta commit (:func:`isbflow.sinks.delta_commit.commit_batch`).

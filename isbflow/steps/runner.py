@@ -337,10 +337,12 @@ class PipelineRunner:
         if v.sink.postgres is not None:
             return df.writeStream.foreachBatch(self._guarded(v, postgres_writer(self, v, df.columns, mode, keys,
                                                                                 upsert)))
+        write = delta_writer(self, v, df.columns, mode, keys, upsert)
         if v.sink.retryStrategy is not None or v.sink.fallback is not None:
-            raise StepError(f"sink {v.name!r}: retryStrategy and fallback apply to PostgreSQL sinks so far; "
-                            "the Delta sink's commit is retried by the step's restart policy")
-        return df.writeStream.foreachBatch(delta_writer(self, v, df.columns, mode, keys, upsert))
+            # a Delta sink refuses no rows one by one: without a policy it needs no wrapper (nor its
+            # per-batch totals file), and a failed commit fails the query as before (the restart policy)
+            write = self._guarded(v, write)
+        return df.writeStream.foreachBatch(write)
 
     def _guarded(self, v: Vertex, write):
         """Sink ``v``'s ``foreachBatch`` function under its failure policy (:mod:`isbflow.steps.sink_policy`)."""

@@ -20,7 +20,9 @@ the driver, in the query's thread, once per micro-batch:
    (:mod:`isbflow.sinks.fallback`) with the last error and the attempt count;
    ``drop`` counts the batch's records as dropped (``dropped_total``, a warning
    in the log), never silently. Both record the batch's source offsets in the
-   offset ledger, so a recovery does not bring them back;
+   offset ledger, so a recovery does not bring them back. Before either, a primary that can tell (``holds(batch_id)``: the Delta sink,
+   whose commit may land before the attempt fails) is asked whether it holds the
+   batch already; if it does, the batch is done and nothing is sent or dropped;
 4. **refused rows**: a primary that refuses rows one by one (a callable with
    ``takes_refused``, e.g. the PostgreSQL sink) hands them over before it
    commits the rest; they go to the fallback with their reasons (``fallback_total``),
@@ -152,6 +154,10 @@ class SinkPolicy:
                 self.error = f"batch {batch_id}, attempt {attempt}: {first}"
                 steps, action = self.strategy.backoff.steps, self.strategy.onFailure
                 if steps is not None and attempt % steps == 0 and action != OnFailure.RETRY:
+                    if self._primary_holds(batch_id):  # an attempt committed, then failed: nothing is lost
+                        log.warning("%s: %s, but the table holds batch %d: nothing goes to the %s", self.where,
+                                    self.error, batch_id, "fallback" if action == OnFailure.FALLBACK else "drop")
+                        break
                     self._give_up(df, batch_id, attempt, str(e), action, counts)
                     break
                 n = attempt if steps is None else (attempt - 1) % steps + 1
@@ -162,6 +168,12 @@ class SinkPolicy:
         self.error = None
         counts.last_batch, counts.last_dropped = batch_id, counts.dropped > 0
         self._add(counts, new)
+
+    def _primary_holds(self, batch_id: int) -> bool:
+        """Whether the primary says it holds the batch (a primary with ``holds``, e.g. the Delta sink,
+        whose commit may land before an attempt fails); False for one that cannot tell."""
+        holds = getattr(self.write, "holds", None)
+        return bool(holds(batch_id)) if holds is not None else False
 
     def _attempt(self, df, batch_id: int, attempt: int, counts: PolicyTotals) -> None:
         refused = PolicyTotals()

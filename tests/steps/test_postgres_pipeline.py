@@ -338,16 +338,58 @@ def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(s
     assert asyncio.run(_ledger(settings, p.name))["events"] == {"in/0": [[1, 50]]}
 
 
-def test_a_delta_sink_with_a_failure_policy_is_refused_at_its_start(spark, nats_server, tmp_path):
-    """The Delta sink is a Spark data source writer, not a foreachBatch function (yet): its
-    retryStrategy would not apply, so the step says so instead of ignoring it."""
+DELTA_POLICY = """          path: sinks/raw
+        retryStrategy:
+          backoff:
+            interval: 10ms
+            steps: 2
+          onFailure: fallback
+        fallback:
+          delta:
+            path: sinks/raw-failed
+"""
+
+
+def test_a_delta_sink_whose_storage_is_gone_retries_then_falls_back_and_the_step_goes_on(spark, nats_server,
+                                                                                        tmp_path):
+    """The Delta sink ``raw`` with Numaflow's retryStrategy (2 attempts, then fallback) and a Delta fallback,
+    run by the runner's own queries (available-now; ``in``, ``shape``, ``raw``: no PostgreSQL). A file where
+    its table's folder goes (storage that is not there): every batch is tried twice and lands in the
+    fallback with reason and attempts, and the step's status counts both; the storage back, the next run
+    lands in the table. Table + fallback == produced, no id twice, the ledger holds every offset."""
+    settings = nats_server.settings
     spec = tmp_path / "spec.yaml"
-    spec.write_text(SPEC.read_text().replace("          path: sinks/raw\n", "          path: sinks/raw\n"
-                                             "        retryStrategy:\n          backoff: {steps: 3}\n"))
+    spec.write_text(SPEC.read_text().replace("          path: sinks/raw\n", DELTA_POLICY))
     specs = load_specs(spec)
-    runner = PipelineRunner(spark, specs, specs.only_pipeline(), nats_server.settings, tmp_path)
+    asyncio.run(provision.apply(settings, specs))
+    p = specs.only_pipeline()
+    data = tmp_path / "data"
+    raw, fallback = data / "sinks" / "raw", data / "sinks" / "raw-failed"
+    steps = ["in", "shape", "raw"]
+
+    def ns(path: Path) -> list[int]:
+        return sorted(DeltaTable(str(path)).to_pyarrow_table().column("n").to_pylist())
+
+    raw.parent.mkdir(parents=True)
+    raw.write_text("the sink's storage is gone\n")
+    asyncio.run(_publish(settings, range(1, 21)))
     try:
-        with pytest.raises(StepError, match="sink .raw.: retryStrategy and fallback apply to PostgreSQL sinks so far"):
-            runner._sink_writer(runner.p.vertex("raw"), spark.range(1))
+        status = run(spark, specs, p, settings, data, only=steps)["raw"]
     finally:
-        runner.close()
+        raw.unlink()
+    held = DeltaTable(str(fallback)).to_pyarrow_table()
+    assert sorted(held.column("n").to_pylist()) == list(range(1, 21))
+    assert set(held.column("_isb_attempts").to_pylist()) == {2}
+    assert set(held.column("_isb_app").to_pylist()) == {"pgsink/raw"}
+    assert all(e.startswith("sink 'raw': 2 attempts failed, the last:") for e in held.column("_isb_error").to_pylist())
+    batches = len(set(held.column("_isb_batch").to_pylist()))
+    assert status.fallback_total == 20 and status.sink_retries == 2 * batches and status.sink_error is None
+
+    asyncio.run(_publish(settings, range(21, 31)))
+    status = run(spark, specs, p, settings, data, only=steps)["raw"]
+    assert ns(raw) == list(range(21, 31)) and ns(fallback) == list(range(1, 21))
+    assert (status.fallback_total, status.sink_retries) == (20, 2 * batches)  # kept for the next driver
+    in_table = DeltaTable(str(raw)).to_pyarrow_table().column("_isb_id").to_pylist()
+    assert len(set(in_table)) == 10 and not set(in_table) & set(held.column("_isb_id").to_pylist())
+    # the ledger holds every offset: those in the table and those sent to the fallback
+    assert asyncio.run(_ledger(settings, p.name))["raw"] == {"in/0": [[1, 30]]}

@@ -116,6 +116,28 @@ def test_fallback_takes_the_whole_batch_with_reason_and_attempts_once(tmp_path):
     assert primary.calls == 3 and p.totals.fallback == 2
 
 
+def test_a_batch_the_primary_committed_before_failing_goes_nowhere_else(tmp_path, caplog):
+    """A primary that can tell (the Delta sink's ``holds``) is asked before the fallback or a drop:
+    an attempt whose commit landed and which failed after it leaves nothing to send elsewhere."""
+
+    class Committing(Primary):
+        committed: set[int] = set()
+
+        def __call__(self, df, batch_id, on_refused=None):
+            self.committed.add(batch_id)  # the commit lands, then the attempt fails
+            raise OSError("connection reset after the commit")
+
+        def holds(self, batch_id):
+            return batch_id in self.committed
+
+    for action in ("fallback", "drop"):
+        fb = Fallback()
+        p, _, _, offsets = policy(Committing(), tmp_path / action, strategy(steps=2, on_failure=action), fb)
+        p(Batch([1, 2]), 3)
+        assert fb.batches == {} and offsets == [] and (p.totals.fallback, p.totals.dropped) == (0, 0)
+        assert p.totals.retries == 2 and p.error is None and "the table holds batch 3" in caplog.text
+
+
 def test_drop_is_counted_never_silent_and_a_replay_drops_nothing_again(tmp_path, caplog):
     p, *_ = policy(Primary(fail=2), tmp_path, strategy(steps=2, on_failure="drop"))
     p(Batch([1, 2, 3]), 0)
