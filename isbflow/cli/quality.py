@@ -131,7 +131,8 @@ def _check_lines(c: dict) -> list[str]:
         lines = []
         for part, v in d.get("partitions", {}).items():
             proven = ", ".join(f"{a}..{b}" for a, b in v["proven"]) or "nothing"
-            dead = f", {v['dead_lettered']} of them dead-lettered" if v.get("dead_lettered") else ""
+            gone = "dead-lettered or in the sink's fallback" if d.get("in_fallback") else "dead-lettered"
+            dead = f", {v['dead_lettered']} of them {gone}" if v.get("dead_lettered") else ""
             line = f"completeness {part}: proven {proven} ({v['watermark_from']}{dead})"
             fly = v["in_flight"]
             if fly["count"]:

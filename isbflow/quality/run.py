@@ -38,6 +38,7 @@ from isbflow.quality.checks import ID_COLUMN, CheckResult, OffsetBasis, SinkOffs
 from isbflow.quality.errors import QualityError
 from isbflow.sinks.tables import (
     SinkTableError,
+    fallback_offsets,
     find_raw_sink,
     is_postgres,
     read_postgres,
@@ -183,9 +184,12 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
         _count_surplus_rows(df, outcome.results)
     elif kind == "raw":
         if ledger_basis is not None:
-            verdicts, malformed = _judge(ledger_basis, sink, path, df, version, held)
+            # the records the sink's failure policy sent to its fallback are accounted for, like dead letters
+            excused, in_fallback = _sink_table(fallback_offsets, pipeline, sink, data_dir)
+            verdicts, malformed = _judge(ledger_basis, sink, path, df, version, held, excused)
             result = checks.ledger_completeness(verdicts, malformed, now, ledger_basis.stored_at,
                                                 ledger_basis.watermarks.get(sink))
+            result.details["in_fallback"] = in_fallback
             offsets = result.details["ranges"]
             offsets_from = "the offset ledger: per source partition, first offset .. committed low watermark"
         else:
@@ -249,11 +253,13 @@ def run_quality(spark, pipeline: Pipeline, sink: str, data_dir: str | Path, *,
     return report
 
 
-def _judge(basis: LedgerBasis, sink: str, path: str, df, version: int, held=None):
-    """``held``: a PostgreSQL sink's bookkeeping offsets (its table has no Delta history at ``path``)."""
+def _judge(basis: LedgerBasis, sink: str, path: str, df, version: int, held=None, excused=None):
+    """``held``: a PostgreSQL sink's bookkeeping offsets (its table has no Delta history at ``path``);
+    ``excused``: offsets not in the sink for a known reason besides dead letters (its fallback's)."""
     sources = {part: (src.first, src.last) for part, src in basis.sources.items()}
     ranges = basis.held(sink, path, version) if held is None else ledger.union(basis.held(sink, None), held)
-    return checks.judge_sink(df, ranges, basis.dead, sources, basis.watermarks.get(sink))
+    dead = ledger.union(basis.dead, excused) if excused else basis.dead
+    return checks.judge_sink(df, ranges, dead, sources, basis.watermarks.get(sink))
 
 
 def _count_surplus_rows(df, gx_results: list[CheckResult]) -> None:

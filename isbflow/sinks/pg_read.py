@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from isbflow.isb import ledger
-from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget, bookkeeping_table, connect
+from isbflow.sinks.pg_write import PostgresSinkError, PostgresTableMissing
+from isbflow.sinks.postgres import PostgresTarget, bookkeeping_table, connect
 
 _TYPES = {"text": pa.string(), "character varying": pa.string(), "boolean": pa.bool_(),
           "smallint": pa.int16(), "integer": pa.int32(), "bigint": pa.int64(), "real": pa.float32(),
@@ -45,8 +46,8 @@ class PgSnapshot:
 
 
 def read_snapshot(target: PostgresTarget) -> PgSnapshot:
-    """The sink's rows and committed offsets, in one snapshot; :class:`PostgresSinkError` when the
-    table does not exist yet."""
+    """The sink's rows and committed offsets, in one snapshot; :class:`PostgresTableMissing` (a
+    :class:`~isbflow.sinks.pg_write.PostgresSinkError`) when the table does not exist yet."""
     # lazy: psycopg (~0.2 s); sinks.tables imports this module for every sink, Delta ones too
     from psycopg import IsolationLevel, sql
 
@@ -62,7 +63,7 @@ def read_snapshot(target: PostgresTarget) -> PgSnapshot:
                         "ORDER BY ordinal_position", (schema, name))
             columns = cur.fetchall()
             if not columns:
-                raise PostgresSinkError(f"{target.where}: no table {table} yet: the sink has not committed "
+                raise PostgresTableMissing(f"{target.where}: no table {table} yet: the sink has not committed "
                                         "a batch; run the pipeline first")
             arrow = pa.schema([(c, arrow_type(t, p, s)) for c, t, p, s in columns])
             jsons = {c for c, t, _, _ in columns if t in ("jsonb", "json")}

@@ -36,6 +36,10 @@ class PostgresSinkError(Exception):
     """The PostgreSQL sink could not connect or commit; the message names the sink and the server."""
 
 
+class PostgresTableMissing(PostgresSinkError):
+    """The sink's table does not exist yet (no batch committed)."""
+
+
 @dataclass(frozen=True)
 class RefusedRows:
     """Rows of a batch the table refused one by one: their positions in the batch and why."""

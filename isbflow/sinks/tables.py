@@ -15,6 +15,7 @@ from pathlib import Path
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.sinks.pg_read import read_snapshot
+from isbflow.sinks.pg_write import PostgresTableMissing
 from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget
 from isbflow.spec.models import Pipeline, Vertex
 
@@ -43,6 +44,42 @@ def sink_table_path(pipeline: Pipeline, sink: str, data_dir: str | Path) -> str:
                              f"({v.sink.postgres.table}), not a Delta table")
     path = Path(v.sink.delta.path)
     return str(path if path.is_absolute() else Path(data_dir).absolute() / path)
+
+
+def fallback_offsets(pipeline: Pipeline, sink: str, data_dir: str | Path) -> tuple[ledger.PartitionRanges, int]:
+    """The source offsets of the records sink ``sink``'s fallback table holds (``sink.fallback``: the
+    batches and rows its failure policy sent there), and how many records that is; ``({}, 0)`` without
+    a fallback, before its first commit, or for a table without ``_isb_id``."""
+    v = sink_vertex(pipeline, sink)
+    fb = v.sink.fallback
+    if fb is None:
+        return {}, 0
+    if fb.postgres is not None:
+        target = PostgresTarget(sink=sink, spec=fb.postgres, app_id=f"{pipeline.name}/{sink}:read-fallback",
+                                data_dir=str(Path(data_dir).absolute()), pipeline=pipeline.name)
+        try:
+            rows = read_snapshot(target).rows
+        except PostgresTableMissing:
+            return {}, 0
+        except PostgresSinkError as e:
+            raise SinkTableError(f"the fallback of sink {sink!r}: {e}") from None
+    else:
+        from deltalake import DeltaTable  # lazy: delta-rs loads a native library
+        from deltalake.exceptions import TableNotFoundError
+
+        path = Path(fb.delta.path)
+        try:
+            table = DeltaTable(str(path if path.is_absolute() else Path(data_dir).absolute() / path))
+        except TableNotFoundError:
+            return {}, 0
+        dataset = table.to_pyarrow_dataset()
+        if ID_COLUMN not in dataset.schema.names:
+            return {}, 0
+        rows = dataset.to_table(columns=[ID_COLUMN])
+    if ID_COLUMN not in rows.schema.names:
+        return {}, 0
+    ids = rows.column(ID_COLUMN)
+    return ledger.id_ranges(ids), len(ids)
 
 
 def is_postgres(pipeline: Pipeline, sink: str) -> bool:

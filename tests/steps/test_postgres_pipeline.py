@@ -356,7 +356,8 @@ def test_a_delta_sink_whose_storage_is_gone_retries_then_falls_back_and_the_step
     run by the runner's own queries (available-now; ``in``, ``shape``, ``raw``: no PostgreSQL). A file where
     its table's folder goes (storage that is not there): every batch is tried twice and lands in the
     fallback with reason and attempts, and the step's status counts both; the storage back, the next run
-    lands in the table. Table + fallback == produced, no id twice, the ledger holds every offset."""
+    lands in the table. Table + fallback == produced, no id twice, the ledger holds every offset, and
+    quality's completeness passes with the fallback's records accounted for."""
     settings = nats_server.settings
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.read_text().replace("          path: sinks/raw\n", DELTA_POLICY))
@@ -393,3 +394,8 @@ def test_a_delta_sink_whose_storage_is_gone_retries_then_falls_back_and_the_step
     assert len(set(in_table)) == 10 and not set(in_table) & set(held.column("_isb_id").to_pylist())
     # the ledger holds every offset: those in the table and those sent to the fallback
     assert asyncio.run(_ledger(settings, p.name))["raw"] == {"in/0": [[1, 30]]}
+    # and quality's completeness counts the fallback's records as accounted for, not missing
+    report = run_quality(spark, p, "raw", data, basis=read_ledger_basis(settings, p, data, wait_s=5))
+    (complete,) = [c for c in report.checks if c.name == "completeness"]
+    assert complete.success and complete.details["in_fallback"] == 20, complete
+    assert complete.details["proven"] == {"in/0": [[1, 30]]}, complete
