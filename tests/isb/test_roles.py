@@ -74,6 +74,12 @@ async def refused(coro) -> str:
     raise AssertionError("the server allowed it")
 
 
+async def refused_all(*coros) -> list[str]:
+    """Each of ``coros`` refused (:func:`refused`), all at once: a refusal is often a timeout, and
+    their timeouts then run side by side instead of one after another."""
+    return list(await asyncio.gather(*(refused(c) for c in coros)))
+
+
 def violations(server, user: str) -> set[str]:
     """Subjects the server logged a publish or subscription violation for, for ``user``: proof
     that a refusal was the server's permissions, not some other failure."""
@@ -121,12 +127,14 @@ def test_producer_publishes_to_its_source_subject_only(granted):
             assert (await js.stream_info(src)).state.messages == 1
             await js.publish("other.events", b"{}", timeout=5)  # the other pipeline's source, also granted
             # refused: reading a buffer, the source stream's messages, writing a control key, an edge subject
-            await refused(nc.request(f"$JS.API.DIRECT.GET.{buffer.stream}", b'{"seq": 1}', timeout=2))
-            await refused(nc.request(f"$JS.API.STREAM.MSG.GET.{src}", b'{"seq": 1}', timeout=2))
-            await refused(js.pull_subscribe("logs.events", stream=src))
-            await refused(js.publish(f"$KV.{naming.control_bucket('logs')}.parse", b"stopped", timeout=2))
-            await refused(js.publish(buffer.subject, b"forged", timeout=2))
-            await refused(js.key_value(naming.control_bucket("logs")))
+            await refused_all(
+                nc.request(f"$JS.API.DIRECT.GET.{buffer.stream}", b'{"seq": 1}', timeout=2),
+                nc.request(f"$JS.API.STREAM.MSG.GET.{src}", b'{"seq": 1}', timeout=2),
+                js.pull_subscribe("logs.events", stream=src),
+                js.publish(f"$KV.{naming.control_bucket('logs')}.parse", b"stopped", timeout=2),
+                js.publish(buffer.subject, b"forged", timeout=2),
+                js.key_value(naming.control_bucket("logs")),
+            )
         finally:
             await nc.close()
 
@@ -164,12 +172,14 @@ def test_reader_reads_status_and_publishes_nothing(granted):
             assert (await st.get_desired(nc, "logs", "parse")) == st.Desired.RUNNING  # allowed
             assert (await stream_state(nc, naming.dlq_stream("logs"))).messages == 0
             buffer = naming.edge_partitions(granted[1].pipelines["logs"])[0]
-            await refused(js.publish("logs.events", b"{}", timeout=2))
-            await refused(js.publish(buffer.subject, b"x", timeout=2))
-            await refused(st.set_desired(nc, "logs", "parse", st.Desired.STOPPED))
-            await refused(nc.request(f"$JS.API.DIRECT.GET.{buffer.stream}", b'{"seq": 1}', timeout=2))
-            await refused(nc.request(f"$JS.API.CONSUMER.CREATE.{buffer.stream}", b"{}", timeout=2))
-            await refused(nc.request(f"$JS.API.STREAM.PURGE.{buffer.stream}", b"{}", timeout=2))
+            await refused_all(
+                js.publish("logs.events", b"{}", timeout=2),
+                js.publish(buffer.subject, b"x", timeout=2),
+                st.set_desired(nc, "logs", "parse", st.Desired.STOPPED),
+                nc.request(f"$JS.API.DIRECT.GET.{buffer.stream}", b'{"seq": 1}', timeout=2),
+                nc.request(f"$JS.API.CONSUMER.CREATE.{buffer.stream}", b"{}", timeout=2),
+                nc.request(f"$JS.API.STREAM.PURGE.{buffer.stream}", b"{}", timeout=2),
+            )
         finally:
             await nc.close()
 
@@ -193,13 +203,15 @@ def test_a_pipelines_user_reaches_its_own_pipeline_only(granted):
             await st.set_desired(nc, "logs", "parse", st.Desired.DRAINING)
             assert await st.get_desired(nc, "logs", "parse") == st.Desired.DRAINING
             # the other pipeline's buffer, keys and purge: refused
-            await refused(js.publish(theirs.subject, b"frame", timeout=2))
-            await refused(nc.request(f"$JS.API.DIRECT.GET.{theirs.stream}", b'{"seq": 1}', timeout=2))
-            await refused(nc.request(f"$JS.API.CONSUMER.CREATE.{theirs.stream}", b"{}", timeout=2))
-            await refused(nc.request(f"$JS.API.STREAM.PURGE.{theirs.stream}", b"{}", timeout=2))
-            await refused(st.set_desired(nc, "other", "parse", st.Desired.STOPPED))
-            await refused(js.publish(f"$KV.{naming.control_bucket('other')}.parse", b"stopped", timeout=2))
-            await refused(st.get_desired(nc, "other", "parse"))
+            await refused_all(
+                js.publish(theirs.subject, b"frame", timeout=2),
+                nc.request(f"$JS.API.DIRECT.GET.{theirs.stream}", b'{"seq": 1}', timeout=2),
+                nc.request(f"$JS.API.CONSUMER.CREATE.{theirs.stream}", b"{}", timeout=2),
+                nc.request(f"$JS.API.STREAM.PURGE.{theirs.stream}", b"{}", timeout=2),
+                st.set_desired(nc, "other", "parse", st.Desired.STOPPED),
+                js.publish(f"$KV.{naming.control_bucket('other')}.parse", b"stopped", timeout=2),
+                st.get_desired(nc, "other", "parse"),
+            )
             # nor may it create or delete streams (provisioning is the admin's)
             await refused(nc.request(f"$JS.API.STREAM.DELETE.{mine.stream}", b"", timeout=2))
             # nor listen to another role's replies (the server never registers the subscription)
