@@ -70,12 +70,23 @@ def test_every_cluster_node_refuses_anonymous_wrong_and_route_credentials(nats_c
     route_pw = (nats_dir / "route-password").read_text().strip()
     ports = [n.client_port for n in nats_cluster.state.nodes]
     assert len(ports) == 3
-    for port in ports:
-        for url in (f"nats://{HOST}:{port}", f"nats://isbflow:wrong-password@{HOST}:{port}",
-                    f"nats://route:{route_pw}@{HOST}:{port}"):
-            with pytest.raises(IsbUnreachable, match="authorization violation") as e:
-                asyncio.run(connect(settings_from_url(url), timeout=2))
-            assert route_pw not in str(e.value) and "wrong-password" not in str(e.value)
+    urls = [url for port in ports for url in (f"nats://{HOST}:{port}", f"nats://isbflow:wrong-password@{HOST}:{port}",
+                                              f"nats://route:{route_pw}@{HOST}:{port}")]
+
+    async def refusal(url: str) -> str | None:
+        try:
+            nc = await connect(settings_from_url(url), timeout=2)
+        except IsbUnreachable as e:
+            return str(e)
+        await nc.close()
+        return None
+
+    async def all_at_once() -> list[str | None]:  # each refusal takes seconds: side by side, not in turn
+        return list(await asyncio.gather(*(refusal(u) for u in urls)))
+
+    for url, error in zip(urls, asyncio.run(all_at_once()), strict=True):
+        assert error is not None and "authorization violation" in error, (url, error)
+        assert route_pw not in error and "wrong-password" not in error
     # ... while the client credentials work on every node
     async def works(url: str) -> bool:
         nc = await connect(settings_from_url(url))
