@@ -1,0 +1,28 @@
+"""The SparkSession every step runs in (:mod:`isbflow.steps.session`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from isbflow.steps.session import CHECKPOINT_FILE_MANAGER
+
+pytestmark = pytest.mark.slow
+
+
+def test_checkpoints_are_written_through_the_file_system_api(spark, tmp_path):
+    """The checkpoint file manager a streaming query (and its state store) gets for a checkpoint under
+    the data dir is the FileSystem one: the FileContext one ran ``readlink`` as a process for each file
+    it renamed (a dozen a second on the demo). Asked the way Spark asks it, from a query's Hadoop conf."""
+    jvm = spark.sparkContext._jvm
+    conf = spark._jsparkSession.sessionState().newHadoopConf()
+    path = jvm.org.apache.hadoop.fs.Path(f"file://{tmp_path / 'checkpoint'}")
+    manager = jvm.org.apache.spark.sql.execution.streaming.checkpointing.CheckpointFileManager.create(path, conf)
+    assert manager.getClass().getName() == CHECKPOINT_FILE_MANAGER
+    # and a query checkpoints through it: batches committed, each offset and commit file in place
+    q = (spark.readStream.format("isb-memory").option("rows", "30").option("batchRows", "10").load()
+         .writeStream.format("noop").option("checkpointLocation", str(tmp_path / "checkpoint"))
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120) and q.exception() is None
+    commits = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "commits").iterdir() if f.name.isdigit())
+    offsets = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "offsets").iterdir() if f.name.isdigit())
+    assert commits == offsets and len(commits) >= 1, (commits, offsets)
