@@ -236,17 +236,14 @@ def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
     assert sink_connections(p, {}) == {}  # not defined: the sink's own error names the variable
 
 
-POLICY = """\
-          connection: pg_sinks
-        retryStrategy:
-          backoff:
-            interval: 10ms
-            steps: 2
-          onFailure: fallback
-        fallback:
-          delta:
-            path: sinks/events-failed
-"""
+def with_policy(line: str, fallback: str) -> str:
+    """A sink's spec ``line`` (kept) followed by Numaflow's retryStrategy (2 attempts 10 ms apart, then
+    fallback) and a Delta fallback at ``fallback``."""
+    return (f"{line}        retryStrategy:\n          backoff:\n            interval: 10ms\n            steps: 2\n"
+            f"          onFailure: fallback\n        fallback:\n          delta:\n            path: {fallback}\n")
+
+
+POLICY = with_policy("          connection: pg_sinks\n", "sinks/events-failed")
 
 
 def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(spark, nats_server, pg_conn,
@@ -338,16 +335,7 @@ def test_postgres_stopped_mid_run_retries_then_falls_back_and_the_step_goes_on(s
     assert asyncio.run(_ledger(settings, p.name))["events"] == {"in/0": [[1, 50]]}
 
 
-DELTA_POLICY = """          path: sinks/raw
-        retryStrategy:
-          backoff:
-            interval: 10ms
-            steps: 2
-          onFailure: fallback
-        fallback:
-          delta:
-            path: sinks/raw-failed
-"""
+DELTA_POLICY = with_policy("          path: sinks/raw\n", "sinks/raw-failed")
 
 
 def test_a_delta_sink_whose_storage_is_gone_retries_then_falls_back_and_the_step_goes_on(spark, nats_server,
