@@ -124,3 +124,11 @@ def test_batch_actions_run_again_on_the_same_policy():
         raise AssertionError("out of attempts must raise")
     except RuntimeError:
         assert waits == [1, 1]
+
+
+def test_a_delta_log_entry_trimmed_under_a_commit_is_transient():
+    from isbflow.steps.restart import is_transient
+
+    gone = RuntimeError("DeltaError: Kernel error: File not found: /d/sinks/logs/raw/_delta_log/00000000000000000013.json")
+    assert is_transient(gone)
+    assert not is_transient(RuntimeError("DeltaError: Kernel error: File not found: /d/sinks/logs/raw/part-0.parquet"))
