@@ -406,7 +406,8 @@ def _publish(settings, stream: str, messages: list[tuple[bytes, dict]]) -> None:
 
 
 def test_hostile_frames_are_dead_lettered_counted_and_the_step_reads_on(spark, nats_server, tmp_path):
-    from isbflow.connector.reader import JetStreamDataSource, dead_frames
+    from isbflow.connector.reader import dead_frames
+    from isbflow.connector.source import JetStreamDataSource
     from isbflow.isb import dlq, frames
     from isbflow.isb.errors import BufferReadError
 

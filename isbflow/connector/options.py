@@ -5,8 +5,8 @@ typed values (or :class:`~isbflow.isb.errors.ConnectorOptionError` naming
 the option); readers and writers never look at the raw mapping again.
 
 Connection settings travel as the ``settings`` option, the JSON of
-:class:`isbflow.isb.connect.NatsSettings` (:func:`isbflow.isb.connect.settings_to_json` /
-:func:`~isbflow.isb.connect.settings_from_json`). Without it the settings are resolved where the
+:class:`isbflow.isb.settings.NatsSettings` (:func:`isbflow.isb.settings.settings_to_json` /
+:func:`~isbflow.isb.settings.settings_from_json`). Without it the settings are resolved where the
 source is created (``NATS_URL``, or the embedded server's state file, see
 :func:`isbflow.isb.connect.resolve_settings`). The JSON holds any password or
 token in clear: Spark redacts option *keys* matching
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
+from isbflow.isb.settings import NatsSettings, resolve_settings, settings_from_json
 from isbflow.spec import constants
 
 Mode = Literal["frames", "events"]

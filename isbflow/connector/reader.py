@@ -1,6 +1,7 @@
 """The ``jetstream`` Spark data source: read inter-step buffers and JetStream event streams.
 
-Usage (``spark.dataSource.register(JetStreamDataSource)`` once per session)::
+Usage (``spark.dataSource.register(JetStreamDataSource)`` once per session; the class is in
+:mod:`isbflow.connector.source`, which imports this module only when a reader is made)::
 
     spark.readStream.format("jetstream")
         .option("streams", "isb-logs-in-parse-0,isb-logs-in-parse-1")
@@ -69,7 +70,6 @@ from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
-    DataSource,
     DataSourceReader,
     DataSourceStreamReader,
     InputPartition,
@@ -94,7 +94,6 @@ from isbflow.connector.batches import (  # noqa: F401
 )
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import ReaderOptions
-from isbflow.connector.writer import stream_writer
 from isbflow.isb import dlq, frames
 from isbflow.isb.connect import NatsSettings, SyncSession, run_with
 from isbflow.isb.dlq import add_dead_frames, dead_frames, dead_frames_key  # noqa: F401 - re-exported
@@ -126,34 +125,6 @@ class JetStreamPartition(InputPartition):
 
     def __repr__(self) -> str:
         return f"JetStreamPartition({self.stream}#{self.index} {self.first}..{self.last} inc={self.inc})"
-
-
-class JetStreamDataSource(DataSource):
-    """``format("jetstream")``: created on the driver and pickled to executors (holds options only)."""
-
-    @classmethod
-    def name(cls) -> str:
-        return "jetstream"
-
-    def schema(self) -> StructType:
-        """Called only when the caller gave no ``.schema(...)``."""
-        if ReaderOptions.parse(self.options).mode == "events":
-            return EVENTS_SCHEMA
-        raise ConnectorOptionError(
-            "format('jetstream') in frames mode needs the frames' schema: pass the upstream "
-            "step's output schema with .schema(...), or set mode=events for one-event messages")
-
-    def streamReader(self, schema: StructType) -> JetStreamStreamReader:
-        return JetStreamStreamReader(ReaderOptions.parse(self.options), schema)
-
-    def streamWriter(self, schema: StructType, overwrite: bool):  # noqa: N802
-        """Driver: the stream writer publishing frames into an edge's buffers
-        (:mod:`isbflow.connector.writer`)."""
-
-        return stream_writer(self.options, schema)
-
-    def reader(self, schema: StructType) -> JetStreamBatchReader:
-        return JetStreamBatchReader(ReaderOptions.parse(self.options), schema)
 
 
 class _Link(SyncSession):

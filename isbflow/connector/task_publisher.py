@@ -37,12 +37,11 @@ from isbflow.connector.write_options import (
     JetStreamWriteReport,
     OutputBufferNotFound,
     WriterOptions,
-    frame_id,
 )
 from isbflow.isb import naming
 from isbflow.isb.connect import connect
 from isbflow.isb.dlq import DeadLetter, publish_dead_letters
-from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, split_frames
+from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, frame_id, split_frames
 from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
 from isbflow.spec.constants import OnFull
 

@@ -18,9 +18,8 @@ from pyspark.sql.datasource import WriterCommitMessage
 
 from isbflow.connector.options import DEFAULT_FRAME_ROWS, int_option
 from isbflow.isb import naming
-from isbflow.isb.connect import NatsSettings, resolve_settings, settings_from_json
 from isbflow.isb.errors import ConnectorOptionError
-from isbflow.isb.frames import payload_digest
+from isbflow.isb.settings import NatsSettings, resolve_settings, settings_from_json
 from isbflow.spec import constants
 from isbflow.spec.constants import OnFull
 from isbflow.spec.paths import private_dir
@@ -171,19 +170,6 @@ def spark_task_identity() -> tuple[int, int]:
         raise RuntimeError(f"no Spark local property {BATCH_ID_PROPERTY!r}: the jetstream writer works in "
                            "streaming queries (writeStream) only")
     return int(raw), tc.partitionId()
-
-
-def frame_id(step: str, batch_id: int, task: int, partition: int | str, chunk: int,
-             payload: bytes | memoryview | None = None) -> str:
-    """The ``Nats-Msg-Id`` of a frame, ``<step>:<batch>:<task>:<partition>:<chunk>:<digest>``: equal
-    for equal inputs, so a re-executed batch that makes the same frames deduplicates. The digest
-    (:func:`isbflow.isb.frames.payload_digest` of ``payload``) means only a message with the
-    frame's own bytes counts as its duplicate: a message published earlier under the same position
-    with other bytes (forged, or a re-run whose transform gave other rows) does not suppress it.
-    Without ``payload`` (dead letters, whose digest :func:`isbflow.isb.dlq.encode_dead_letter`
-    adds) the id is the position alone."""
-    position = f"{step}:{batch_id}:{task}:{partition}:{chunk}"
-    return position if payload is None else f"{position}:{payload_digest(payload)}"
 
 
 # ------------------------------------------------------------------ reports

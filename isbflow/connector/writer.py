@@ -1,7 +1,7 @@
 """The JetStream stream writer: Spark tasks publish frames into a step's output buffers.
 
 ``df.writeStream.format("jetstream")`` (the ``streamWriter`` of
-:class:`isbflow.connector.reader.JetStreamDataSource`) writes a step's output into the buffers of
+:class:`isbflow.connector.source.JetStreamDataSource`) writes a step's output into the buffers of
 one edge ``step -> to``: one stream per partition of ``to``
 (:class:`isbflow.isb.naming.EdgePartition`).
 
@@ -25,7 +25,7 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   ``maxPayload`` bytes), in input order. Each frame is published with an
   acked JetStream publish, pipelined (``publishWindow`` frames in flight), and
   the deterministic ``Nats-Msg-Id`` ``<step>:<batchId>:<taskPartitionId>:<edgePartition>:<chunk>:<digest>``
-  (:func:`isbflow.connector.write_options.frame_id`; the digest is of the frame's bytes).
+  (:func:`isbflow.isb.frames.frame_id`; the digest is of the frame's bytes).
   The batch id is the Spark local property ``streaming.sql.batchId``. A
   re-executed batch (task retry, restart from the checkpoint) sees the same
   rows in the same order, so it republishes the same frames, byte for byte, under
@@ -81,12 +81,11 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter
 from pyspark.sql.types import ByteType, IntegerType, LongType, ShortType, StructType
 
-from isbflow.connector.task_publisher import TaskPublisher
 from isbflow.connector.write_options import (  # noqa: F401 - the writer's public names, re-exported
     BATCH_ID_PROPERTY,
     DEFAULT_COMMITTED_KEY,
@@ -103,13 +102,15 @@ from isbflow.connector.write_options import (  # noqa: F401 - the writer's publi
     OutputBufferNotFound,
     WriterOptions,
     aggregate_reports,
-    frame_id,
     read_write_stats,
     read_write_totals,
     record_write_stats,
     spark_task_identity,
 )
 from isbflow.isb.errors import ConnectorOptionError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,10 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> JetStreamWriteReport:
         """Executor: publish this task's rows as frames; return what was published."""
+        # lazy: the publisher brings pyarrow and nats-py (~0.4 s of imports); Spark forks a process per
+        # micro-batch commit that unpickles this writer and runs commit() only, which needs neither
+        from isbflow.connector.task_publisher import TaskPublisher
+
         batch_id, task = self.task_identity()
         return asyncio.run(TaskPublisher(self.options, batch_id, task).run(iterator))
 

@@ -1,18 +1,8 @@
-"""Connecting to the ISB service: settings, where they come from, one clear error.
+"""Connecting to the ISB service: one clear error, one way to hold a connection.
 
-:class:`NatsSettings` is everything a client needs (URLs, credentials, TLS); it
-is plain picklable data, so the driver can hand it to Spark executors.
-:func:`resolve_settings` finds it, in this order:
-
-1. an explicit URL (``--nats-url``) or the ``NATS_URL`` environment variable;
-2. the spec's ``jetstream.url`` when it is not ``embedded``;
-3. the embedded server's state under the data dir (``.isbflow/`` or
-   ``ISBFLOW_HOME``), written by ``isbflow nats up``.
-
-Credentials come from the URL (``nats://user:pass@host``), the spec's ``auth``
-files, or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``;
-TLS files from ``NATS_TLS_CA`` / ``NATS_TLS_CERT`` + ``NATS_TLS_KEY``
-(``NATS_TLS_INSECURE``).
+The settings (:class:`NatsSettings`, :func:`resolve_settings` and their JSON form) live in
+:mod:`isbflow.isb.settings`, which imports no NATS client; they are re-exported here, so
+callers import them from either module.
 """
 
 from __future__ import annotations
@@ -20,214 +10,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import json
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 from nats.errors import AuthorizationError, NoServersError, SlowConsumerError
 
-from isbflow.isb import roles
-from isbflow.isb.errors import ConnectorOptionError
-from isbflow.isb.server import EmbeddedNatsError, read_state, role_password_file
+from isbflow.isb.settings import (  # noqa: F401 - the settings' names, re-exported for callers of connect
+    IsbUnreachable,
+    NatsSettings,
+    default_data_dir,
+    redact_url,
+    resolve_settings,
+    settings_from_json,
+    settings_from_url,
+    settings_to_json,
+)
 
 if TYPE_CHECKING:
     import nats.aio.client
 
-    from isbflow.spec.models import InterStepBufferService
-
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class IsbUnreachable(Exception):
-    """The ISB service could not be reached or refused us; the message names the URL."""
-
-
-@dataclass(frozen=True)
-class NatsSettings:
-    """Where and how to connect. Secrets never show in ``repr``/``display`` (logs, UIs)."""
-
-    servers: tuple[str, ...]
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_insecure: bool = False
-    #: where replies come back (``_INBOX_<user>`` for a role user, :func:`isbflow.isb.roles.inbox_prefix`)
-    inbox_prefix: str | None = None
-
-    @property
-    def display(self) -> str:
-        """The server URLs with any password or token masked, safe for logs."""
-        return ",".join(redact_url(u) for u in self.servers)
-
-    def __repr__(self) -> str:
-        shown = ", ".join(
-            f"{k}={v!r}" for k, v in (
-                ("servers", tuple(redact_url(u) for u in self.servers)), ("user", self.user),
-                ("password", "***" if self.password else None), ("token", "***" if self.token else None),
-                ("creds_file", self.creds_file), ("tls_ca", self.tls_ca), ("tls_cert", self.tls_cert),
-                ("tls_key", self.tls_key), ("tls_insecure", self.tls_insecure), ("inbox_prefix", self.inbox_prefix),
-            ) if v
-        )
-        return f"NatsSettings({shown})"
-
-    def with_auth_from_urls(self) -> NatsSettings:
-        """Move ``user:pass@`` out of the URLs into fields (nats-py wants one or the other)."""
-        user, password, servers = self.user, self.password, []
-        for u in self.servers:
-            parts = urlsplit(u)
-            if parts.username and not user:
-                user = unquote(parts.username)
-                password = unquote(parts.password) if parts.password is not None else None
-            host = parts.hostname or ""
-            if ":" in host:
-                host = f"[{host}]"
-            netloc = host + (f":{parts.port}" if parts.port else "")
-            servers.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
-        if user and password is None and self.token is None and not self.password:
-            # nats://token@host means a token
-            return replace(self, servers=tuple(servers), token=user, user=None)
-        return replace(self, servers=tuple(servers), user=user, password=password)
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if not (self.tls_ca or self.tls_cert or any(u.startswith("tls://") for u in self.servers)):
-            return None
-        ctx = ssl.create_default_context(cafile=self.tls_ca)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.tls_cert:
-            ctx.load_cert_chain(self.tls_cert, self.tls_key)
-        if self.tls_insecure:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        return ctx
-
-    def connect_kwargs(self) -> dict:
-        s = self.with_auth_from_urls()
-        kw: dict = {"servers": list(s.servers)}
-        if s.user:
-            kw["user"], kw["password"] = s.user, s.password
-        if s.token:
-            kw["token"] = s.token
-        if s.creds_file:
-            kw["user_credentials"] = s.creds_file
-        ctx = s.ssl_context()
-        if ctx is not None:
-            kw["tls"] = ctx
-        # a role user may subscribe on its own inbox only (however the settings were made)
-        prefix = s.inbox_prefix or (roles.inbox_prefix(s.user) if s.user and roles.is_role_user(s.user) else None)
-        if prefix:
-            kw["inbox_prefix"] = prefix
-        return kw
-
-
-def redact_url(url: str) -> str:
-    """``nats://user:secret@host`` -> ``nats://user:***@host``; a bare token -> ``***@``."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        return url.replace(f":{parts.password}@", ":***@", 1)
-    if parts.username:
-        return url.replace(f"{parts.username}@", "***@", 1)
-    return url
-
-
-def default_data_dir() -> Path:
-    return Path(os.environ.get("ISBFLOW_HOME", ".isbflow"))
-
-
-def settings_from_url(url: str) -> NatsSettings:
-    return NatsSettings(servers=tuple(u.strip() for u in url.split(",") if u.strip()))
-
-
-def _read_secret(path: str) -> str:
-    return Path(path).read_text().strip()
-
-
-def resolve_settings(
-    nats_url: str | None = None,
-    data_dir: Path | str | None = None,
-    service: InterStepBufferService | None = None,
-    role: str | None = None,
-) -> NatsSettings:
-    """Where to find the ISB service (see module docstring for the order).
-
-    ``role`` (a user of :mod:`isbflow.isb.roles`: ``reader``, ``producer``, ``pipeline-<name>``;
-    default the admin) picks the embedded server's user and its password file; an explicit URL,
-    the environment or the spec's auth files win over it. A client logged in as a role user
-    takes its inbox prefix (``_INBOX_<user>``), the only subjects it may subscribe on."""
-    url = nats_url or os.environ.get("NATS_URL")
-    jet = service.spec.jetstream if service is not None else None
-    if not url and jet is not None and jet.url != "embedded":
-        url = jet.url
-    if url:
-        settings = settings_from_url(url)
-    else:
-        try:
-            state = read_state(Path(data_dir) if data_dir else default_data_dir())
-        except EmbeddedNatsError as e:
-            raise IsbUnreachable(str(e)) from None
-        if state is None:
-            where = Path(data_dir) if data_dir else default_data_dir()
-            raise IsbUnreachable(
-                f"no ISB service: nothing running under {where}/ (start one with "
-                "'isbflow nats up') and no --nats-url or NATS_URL given"
-            )
-        if role is None or role == roles.ADMIN or not state.user:
-            settings = settings_from_url(",".join(state.urls))
-        else:
-            pw = role_password_file(state.data_dir, role)
-            if not pw.exists():
-                raise IsbUnreachable(
-                    f"the embedded ISB service under {state.data_dir} has no user {role!r} (no {pw}): "
-                    "a pipeline's user is made when it is provisioned ('isbflow isb apply')")
-            settings = replace(settings_from_url(",".join(state.plain_urls)), user=role, password=_read_secret(str(pw)))
-        if state.ca_file:
-            settings = replace(settings, tls_ca=state.ca_file)
-    env = os.environ
-    if env.get("NATS_CREDS"):
-        settings = replace(settings, creds_file=env["NATS_CREDS"])
-    if env.get("NATS_USER"):
-        settings = replace(settings, user=env["NATS_USER"], password=env.get("NATS_PASSWORD"))
-    if env.get("NATS_TOKEN"):
-        settings = replace(settings, token=env["NATS_TOKEN"])
-    if env.get("NATS_TLS_CA") or env.get("NATS_TLS_CERT"):
-        settings = replace(settings, tls_ca=env.get("NATS_TLS_CA") or settings.tls_ca,
-                           tls_cert=env.get("NATS_TLS_CERT") or None, tls_key=env.get("NATS_TLS_KEY") or None,
-                           tls_insecure=env.get("NATS_TLS_INSECURE", "").lower() in ("1", "true", "yes"))
-    if jet is not None:
-        if jet.auth is not None:
-            a = jet.auth
-            if a.credsFile:
-                settings = replace(settings, creds_file=a.credsFile)
-            if a.userPasswordFile:
-                user, _, password = _read_secret(a.userPasswordFile).partition(":")
-                settings = replace(settings, user=user, password=password)
-            if a.tokenFile:
-                settings = replace(settings, token=_read_secret(a.tokenFile))
-        if jet.tls is not None:
-            settings = replace(
-                settings,
-                tls_ca=jet.tls.caFile or settings.tls_ca,
-                tls_cert=jet.tls.certFile,
-                tls_key=jet.tls.keyFile,
-                tls_insecure=jet.tls.insecureSkipVerify,
-            )
-    user = settings.with_auth_from_urls().user
-    if user and roles.is_role_user(user) and not settings.inbox_prefix:
-        settings = replace(settings, inbox_prefix=roles.inbox_prefix(user))
-    return settings
 
 
 async def connect(
@@ -302,27 +109,6 @@ def dropped_messages(nc: nats.aio.client.Client, sub: object) -> int:
     full (nats-py drops them and reports a slow consumer); 0 for a client not made by
     :func:`connect`."""
     return getattr(nc, "isbflow_drops", {}).get(sub, 0)
-
-
-def settings_to_json(settings: NatsSettings) -> str:
-    """The ``settings`` option value for ``settings``."""
-    return json.dumps(dataclasses.asdict(settings))
-
-
-def settings_from_json(text: str) -> NatsSettings:
-    """Inverse of :func:`settings_to_json`."""
-    try:
-        d = json.loads(text)
-        known = {f.name for f in dataclasses.fields(NatsSettings)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown field(s) {sorted(unknown)}")
-        d["servers"] = tuple(d["servers"])
-        return NatsSettings(**d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConnectorOptionError(
-            f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
-            "isbflow.isb.connect.settings_to_json") from None
 
 
 # ------------------------------------------------------------------ sessions: one way to hold a connection

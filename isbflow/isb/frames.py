@@ -71,6 +71,19 @@ def payload_digest(payload: bytes | memoryview) -> str:
     return hashlib.blake2b(payload, digest_size=8).hexdigest()
 
 
+def frame_id(step: str, batch_id: int, task: int, partition: int | str, chunk: int,
+             payload: bytes | memoryview | None = None) -> str:
+    """The ``Nats-Msg-Id`` of a frame, ``<step>:<batch>:<task>:<partition>:<chunk>:<digest>``: equal
+    for equal inputs, so a re-executed batch that makes the same frames deduplicates. The digest
+    (:func:`payload_digest` of ``payload``) means only a message with the
+    frame's own bytes counts as its duplicate: a message published earlier under the same position
+    with other bytes (forged, or a re-run whose transform gave other rows) does not suppress it.
+    Without ``payload`` (dead letters, whose digest :func:`isbflow.isb.dlq.encode_dead_letter`
+    adds) the id is the position alone."""
+    position = f"{step}:{batch_id}:{task}:{partition}:{chunk}"
+    return position if payload is None else f"{position}:{payload_digest(payload)}"
+
+
 def encode(batch: pa.RecordBatch | pa.Table) -> bytes:
     """One Arrow IPC stream holding ``batch`` as one record batch of freshly packed columns: the
     same rows give the same bytes however the input was chunked or sliced (a re-executed Spark

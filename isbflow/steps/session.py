@@ -11,8 +11,8 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from isbflow.connector.files import FilesDataSource
-from isbflow.connector.reader import JetStreamDataSource
 from isbflow.connector.reference import ReferenceDataSource
+from isbflow.connector.source import JetStreamDataSource
 from isbflow.sinks.delta import DeltaSinkDataSource
 from isbflow.spec import transforms
 from isbflow.spec.paths import DataDir

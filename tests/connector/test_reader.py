@@ -15,7 +15,8 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from isbflow.connector import offsets as off
 from isbflow.connector.options import ReaderOptions
-from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamDataSource, JetStreamPartition
+from isbflow.connector.reader import EVENTS_SCHEMA, JetStreamPartition
+from isbflow.connector.source import JetStreamDataSource
 from isbflow.isb import frames
 from isbflow.isb.connect import connect, settings_from_json, settings_to_json
 from isbflow.isb.errors import BufferLost, BufferNotFound, ConnectorOptionError

@@ -23,7 +23,6 @@ from isbflow.connector.writer import (
     JetStreamStreamWriter,
     OutputBufferNotFound,
     WriterOptions,
-    frame_id,
     read_write_stats,
     read_write_totals,
 )
@@ -302,7 +301,7 @@ def test_a_forged_frame_under_a_frames_position_does_not_suppress_it(nats_server
         async with session(settings) as nc:
             js = nc.jetstream()
             for c in range(3):
-                for msg_id in (f"{STEP}:7:0:0:{c}", frame_id(STEP, 7, 0, 0, c, forged)):
+                for msg_id in (f"{STEP}:7:0:0:{c}", frames.frame_id(STEP, 7, 0, 0, c, forged)):
                     ack = await js.publish(ep(0).subject, forged, headers={
                         "Nats-Msg-Id": msg_id, frames.HDR_FRAME: frames.FRAME_FORMAT, frames.HDR_ROWS: "1"})
                     assert not ack.duplicate
