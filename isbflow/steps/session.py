@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from isbflow.connector.files import FilesDataSource
@@ -16,6 +17,7 @@ from isbflow.connector.source import JetStreamDataSource
 from isbflow.sinks.delta import DeltaSinkDataSource
 from isbflow.spec import transforms
 from isbflow.spec.paths import DataDir
+from isbflow.steps import zygote
 from isbflow.steps.restart import StepError
 
 
@@ -62,7 +64,16 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
-    spark = b.getOrCreate()
+    real = os.environ["PYSPARK_PYTHON"]
+    if SparkContext._active_spark_context is None:
+        # Spark reads its Python executable when the context starts: the zygote's launcher then
+        # (source runners forked warm, :mod:`isbflow.steps.zygote`); the environment is put back
+        # so processes this driver starts later see the real Python
+        os.environ["PYSPARK_PYTHON"] = zygote.launcher_for(real)
+    try:
+        spark = b.getOrCreate()
+    finally:
+        os.environ["PYSPARK_PYTHON"] = real
     quiet_trigger_warnings(spark)
     register_sources(spark)
     return spark

@@ -1,0 +1,144 @@
+"""Spark's Python processes forked from one warm process instead of started cold.
+
+Spark starts a fresh Python process for every streaming query that reads a Python data source
+(``python -m pyspark.sql.streaming.python_streaming_source_runner``: Spark 4 starts it directly,
+not through its forking daemon), and one daemon per kind of Python worker (``python -m
+pyspark.daemon <worker module>``), whose first worker then imports the worker module. Each imports
+pyspark, pyarrow and numpy, then isbflow's connector: ~1.4 CPU-s and ~70 MiB of memory of its own
+per source runner here, at every query start and restart.
+
+The *zygote* is one process per Spark driver that has imported all of that once (:data:`PRELOAD`).
+Spark's Python executable (``PYSPARK_PYTHON``, read when the SparkContext starts) becomes a small
+launcher script: for the source runner and the daemons (:data:`FORKED`) it hands its argv,
+environment, working directory and standard streams (over a Unix socket, the descriptors
+themselves) to the zygote (:mod:`isbflow.steps.zygote_server`), which forks a child that runs the
+module as ``__main__`` on those streams, with that environment and import path. The launcher stays
+the process Spark watches: it forwards SIGTERM/SIGINT/SIGHUP to the child and exits with the
+child's exit code. Anything else Spark runs (a version check), and everything when the zygote is
+gone, execs the real Python unchanged. Forked children share the zygote's memory pages until they
+write them, so their memory is mostly counted once.
+
+Fork safety: the zygote runs no threads of its own; pyarrow's allocator and numpy's BLAS start
+threads of theirs on import, and register fork handlers, as for any process that forks after
+importing them (Python's ``multiprocessing`` does the same on Linux). A child is a copy of the
+zygote at the fork, with the launcher's environment in place before the module's code runs.
+
+``ISBFLOW_SPARK_ZYGOTE=0`` turns it off (Spark then starts every Python process cold).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: the module Spark runs for each streaming query over a Python data source
+SOURCE_RUNNER = "pyspark.sql.streaming.python_streaming_source_runner"
+#: Spark's forking daemon (``python -m pyspark.daemon <worker module>``): one per kind of Python
+#: worker and driver; its workers are forks of it, so they inherit what the zygote imported
+DAEMON = "pyspark.daemon"
+#: what the launcher hands to the zygote; everything else execs the real Python
+FORKED = (SOURCE_RUNNER, DAEMON)
+#: imported by the zygote before it forks: what the runners and workers of isbflow's data sources import
+PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", "isbflow.connector.reader",
+           "isbflow.connector.files", "isbflow.connector.task_publisher")
+ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
+
+#: the launcher (stdlib only, run with -I -S: no site-packages, nothing from the environment)
+LAUNCHER = r'''
+import json, os, signal, socket, struct, sys
+REAL, SOCK, FORKED = {real!r}, {sock!r}, {forked!r}
+args = sys.argv[1:]
+def cold():
+    os.execv(REAL, [REAL] + args)
+if len(args) < 2 or args[0] != "-m" or args[1] not in FORKED:
+    cold()
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(SOCK)
+except OSError:
+    cold()
+req = json.dumps({{"module": args[1], "argv": args[2:], "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+socket.send_fds(s, [struct.pack("!I", len(req)) + req], [0, 1, 2])
+def recv(n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            sys.exit(1)
+        b += c
+    return b
+pid = struct.unpack("!i", recv(4))[0]
+if pid <= 0:
+    cold()
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, forward)
+sys.exit(struct.unpack("!i", recv(4))[0])
+'''
+
+
+class Zygote:
+    """A running zygote: its process, its socket and the launcher Spark runs as Python."""
+
+    def __init__(self, real_python: str, forked: tuple[str, ...] = FORKED):
+        self.dir = Path(tempfile.mkdtemp(prefix="isbflow-zygote-"))  # 0700
+        self.socket = str(self.dir / "zygote.sock")
+        self.launcher = str(self.dir / "python")
+        self.proc = subprocess.Popen([real_python, "-m", "isbflow.steps.zygote_server", self.socket],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()  # the server prints once it listens (its imports done)
+        if ready.strip() != b"ready":
+            self.close()
+            raise RuntimeError(f"the Spark Python zygote did not start (exit {self.proc.poll()})")
+        text = f"#!{real_python} -IS\n" + LAUNCHER.format(real=real_python, sock=self.socket,
+                                                          forked=forked)
+        Path(self.launcher).write_text(text)
+        os.chmod(self.launcher, 0o700)
+
+    def close(self) -> None:
+        """Stop the zygote (its stdin closes: it exits; forked runners live on until Spark stops them)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_running: Zygote | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "false", "no", "off")
+
+
+def launcher_for(real_python: str) -> str:
+    """The Python executable to give Spark: the zygote's launcher (starting the zygote on first
+    use, stopped when this process exits), or ``real_python`` itself when the zygote is off or
+    cannot start (Spark then starts runners cold; a warning says why)."""
+    global _running
+    if not enabled() or not sys.platform.startswith("linux"):
+        return real_python
+    if _running is None or _running.proc.poll() is not None:
+        try:
+            _running = Zygote(real_python)
+        except (OSError, RuntimeError) as e:
+            log.warning("Spark's Python source runners start cold: %s", e)
+            return real_python
+        atexit.register(_running.close)
+    return _running.launcher

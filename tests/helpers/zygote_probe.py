@@ -1,0 +1,23 @@
+"""Run through the zygote by tests/steps/test_zygote.py: reports what a forked child sees."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["wait"]:
+        def stop(signum, frame):
+            print(json.dumps({"signal": signum}), flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, stop)
+        print("waiting", flush=True)
+        time.sleep(60)
+        sys.exit(1)
+    line = sys.stdin.readline().strip()
+    print(json.dumps({"argv": sys.argv[1:], "probe": os.environ.get("ZYGOTE_PROBE"), "cwd": os.getcwd(),
+                      "path0": sys.path[0], "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
+                      "preloaded": "pyarrow" in sys.modules}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    sys.exit(int(sys.argv[1]))

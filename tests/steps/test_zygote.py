@@ -1,0 +1,101 @@
+"""Spark's Python processes forked from a warm zygote (:mod:`isbflow.steps.zygote`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from isbflow.steps import zygote
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = "tests.helpers.zygote_probe"
+WAIT = 60
+
+
+@pytest.fixture(scope="module")
+def zyg():
+    z = zygote.Zygote(sys.executable, forked=(PROBE,))
+    yield z
+    z.close()
+    assert z.proc.poll() is not None, "the zygote outlived close()"
+    assert not z.dir.exists(), "the zygote's socket and launcher were left behind"
+
+
+def probe_env(**extra: str) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_a_forked_child_gets_the_launchers_argv_environment_directory_streams_and_exit_code(zyg, tmp_path):
+    r = subprocess.run([zyg.launcher, "-m", PROBE, "3"], input="hello\n", capture_output=True, text=True,
+                       cwd=tmp_path, env=probe_env(ZYGOTE_PROBE="seen"), timeout=WAIT)
+    assert r.returncode == 3, r.stderr
+    seen = json.loads(r.stdout)
+    assert seen["argv"] == ["3"] and seen["probe"] == "seen" and seen["stdin"] == "hello"
+    assert seen["cwd"] == str(tmp_path) and seen["path0"] == str(tmp_path)
+    # forked from the zygote (not started by the launcher), with what the zygote imported already there
+    assert seen["ppid"] == zyg.proc.pid and seen["preloaded"] is True
+    assert "to stderr" in r.stderr
+
+
+def test_a_signal_to_the_launcher_reaches_the_child(zyg, tmp_path):
+    """Spark stops a Python process by signalling the one it started: the launcher."""
+    p = subprocess.Popen([zyg.launcher, "-m", PROBE, "wait"], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                         env=probe_env())
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "waiting"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(WAIT) == 7
+        assert json.loads(p.stdout.readline()) == {"signal": signal.SIGTERM}
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_other_commands_and_a_gone_zygote_run_the_real_python(tmp_path):
+    z = zygote.Zygote(sys.executable, forked=(PROBE,))
+    try:
+        r = subprocess.run([z.launcher, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True,
+                           timeout=WAIT)
+        assert r.returncode == 0 and r.stdout.strip() == sys.executable, r.stderr
+        z.proc.kill()
+        z.proc.wait()
+        r = subprocess.run([z.launcher, "-m", PROBE, "0"], input="x\n", capture_output=True, text=True, cwd=tmp_path,
+                           env=probe_env(), timeout=WAIT)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["preloaded"] is False  # started cold: nothing imported before it
+    finally:
+        z.close()
+
+
+def test_the_off_switch(monkeypatch):
+    monkeypatch.setenv(zygote.ENV_SWITCH, "0")
+    assert zygote.launcher_for(sys.executable) == sys.executable
+
+
+@pytest.mark.slow
+def test_spark_forks_its_source_runners_from_the_zygote(spark, tmp_path):
+    """The suite's session runs through the zygote like a step's: a streaming query over a Python data
+    source gets its runner from the zygote, the launcher being the process Spark started."""
+    launcher = spark.sparkContext.pythonExec
+    assert Path(launcher).parent.name.startswith("isbflow-zygote-"), launcher
+    sock = str(Path(launcher).parent / "zygote.sock")
+    server = next(p for p in psutil.Process().children() if sock in p.cmdline())
+    q = (spark.readStream.format("isb-memory").option("rows", "30").option("batchRows", "10").load()
+         .writeStream.format("noop").option("checkpointLocation", str(tmp_path / "checkpoint"))
+         .trigger(processingTime="1 second").start())
+    try:
+        q.processAllAvailable()
+        launched = [p for p in psutil.process_iter(["cmdline"])
+                    if launcher in (p.info["cmdline"] or []) and zygote.SOURCE_RUNNER in p.info["cmdline"]]
+        assert launched, "no source runner started through the launcher"
+        assert server.children(), "the zygote forked no process"
+    finally:
+        q.stop()
