@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,7 @@ PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", 
            "isbflow.connector.files", "isbflow.connector.task_publisher")
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 
-#: the launcher (stdlib only, run with -I -S: no site-packages, nothing from the environment)
+#: the launcher's Python (stdlib only, run with -I -S: no site-packages, nothing from the environment)
 LAUNCHER = r'''
 import json, os, signal, socket, struct, sys
 REAL, SOCK, FORKED = {real!r}, {sock!r}, {forked!r}
@@ -103,9 +104,11 @@ class Zygote:
         if ready.strip() != b"ready":
             self.close()
             raise RuntimeError(f"the Spark Python zygote did not start (exit {self.proc.poll()})")
-        text = f"#!{real_python} -IS\n" + LAUNCHER.format(real=real_python, sock=self.socket,
-                                                          forked=forked)
-        Path(self.launcher).write_text(text)
+        script = self.dir / "launch.py"
+        script.write_text(LAUNCHER.format(real=real_python, sock=self.socket, forked=forked))
+        # a shell line, not a "#!python" one: no limit on the interpreter path's length or spaces
+        Path(self.launcher).write_text(
+            f"#!/bin/sh\nexec {shlex.quote(real_python)} -IS {shlex.quote(str(script))} \"$@\"\n")
         os.chmod(self.launcher, 0o700)
 
     def close(self) -> None:

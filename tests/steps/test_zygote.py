@@ -86,7 +86,7 @@ def test_spark_forks_its_source_runners_from_the_zygote(spark, tmp_path):
     source gets its runner from the zygote, the launcher being the process Spark started."""
     launcher = spark.sparkContext.pythonExec
     assert Path(launcher).parent.name.startswith("isbflow-zygote-"), launcher
-    sock = str(Path(launcher).parent / "zygote.sock")
+    sock, script = str(Path(launcher).parent / "zygote.sock"), str(Path(launcher).parent / "launch.py")
     server = next(p for p in psutil.Process().children() if sock in p.cmdline())
     q = (spark.readStream.format("isb-memory").option("rows", "30").option("batchRows", "10").load()
          .writeStream.format("noop").option("checkpointLocation", str(tmp_path / "checkpoint"))
@@ -94,7 +94,7 @@ def test_spark_forks_its_source_runners_from_the_zygote(spark, tmp_path):
     try:
         q.processAllAvailable()
         launched = [p for p in psutil.process_iter(["cmdline"])
-                    if launcher in (p.info["cmdline"] or []) and zygote.SOURCE_RUNNER in p.info["cmdline"]]
+                    if script in (p.info["cmdline"] or []) and zygote.SOURCE_RUNNER in p.info["cmdline"]]
         assert launched, "no source runner started through the launcher"
         assert server.children(), "the zygote forked no process"
     finally:
