@@ -40,6 +40,10 @@ def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
 CHECKPOINT_FILE_MANAGER = "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 
 
+#: the environment variables that name Spark's Python (executors' and the driver's)
+PYTHON_EXECUTABLES = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
+
+
 def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
     """A SparkSession on loopback with isbflow's data sources registered.
 
@@ -64,16 +68,17 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
-    real = os.environ["PYSPARK_PYTHON"]
+    real = {k: os.environ[k] for k in PYTHON_EXECUTABLES}
     if SparkContext._active_spark_context is None:
-        # Spark reads its Python executable when the context starts: the zygote's launcher then
-        # (source runners forked warm, :mod:`isbflow.steps.zygote`); the environment is put back
-        # so processes this driver starts later see the real Python
-        os.environ["PYSPARK_PYTHON"] = zygote.launcher_for(real)
+        # Spark reads its Python executables when the context starts (the driver's for its data
+        # source lookups): the zygote's launcher then (Python processes forked warm,
+        # :mod:`isbflow.steps.zygote`); the environment is put back so processes this driver
+        # starts later see the real Python
+        os.environ.update({k: zygote.launcher_for(v) for k, v in real.items()})
     try:
         spark = b.getOrCreate()
     finally:
-        os.environ["PYSPARK_PYTHON"] = real
+        os.environ.update(real)
     quiet_trigger_warnings(spark)
     register_sources(spark)
     return spark

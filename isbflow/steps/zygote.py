@@ -94,6 +94,7 @@ class Zygote:
     """A running zygote: its process, its socket and the launcher Spark runs as Python."""
 
     def __init__(self, real_python: str, forked: tuple[str, ...] = FORKED):
+        self.real = real_python
         self.dir = Path(tempfile.mkdtemp(prefix="isbflow-zygote-"))  # 0700
         self.socket = str(self.dir / "zygote.sock")
         self.launcher = str(self.dir / "python")
@@ -144,4 +145,5 @@ def launcher_for(real_python: str) -> str:
             log.warning("Spark's Python source runners start cold: %s", e)
             return real_python
         atexit.register(_running.close)
-    return _running.launcher
+    # one zygote per driver, for one Python: another interpreter is given to Spark as it is
+    return _running.launcher if _running.real == real_python else real_python

@@ -9,6 +9,7 @@ when its standard input closes (its driver ended or closed it).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -86,6 +87,9 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in PRELOAD:
         importlib.import_module(name)
+    # what was imported stays out of the cyclic GC's reach: a child's collections then do not write
+    # the shared objects' GC headers, which would copy their pages into every child
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     os.chmod(path, 0o600)

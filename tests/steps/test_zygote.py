@@ -41,6 +41,8 @@ def test_a_forked_child_gets_the_launchers_argv_environment_directory_streams_an
     assert seen["cwd"] == str(tmp_path) and seen["path0"] == str(tmp_path)
     # forked from the zygote (not started by the launcher), with what the zygote imported already there
     assert seen["ppid"] == zyg.proc.pid and seen["preloaded"] is True
+    # and kept out of the cyclic GC (gc.freeze): measured on the demo, 62% -> 44% of a core
+    assert seen["frozen"] > 10_000, seen["frozen"]
     assert "to stderr" in r.stderr
 
 
