@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import shlex
 import shutil
 import subprocess
@@ -51,6 +52,8 @@ FORKED = (SOURCE_RUNNER, DAEMON)
 PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", "isbflow.connector.reader",
            "isbflow.connector.files", "isbflow.connector.task_publisher")
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
+#: seconds the zygote may take to import :data:`PRELOAD` (~1 s here; a loaded machine takes longer)
+START_TIMEOUT = 120.0
 
 #: the launcher's Python (stdlib only, run with -I -S: no site-packages, nothing from the environment)
 LAUNCHER = r'''
@@ -101,10 +104,14 @@ class Zygote:
         self.proc = subprocess.Popen([real_python, "-m", "isbflow.steps.zygote_server", self.socket],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self.proc.stdout is not None
-        ready = self.proc.stdout.readline()  # the server prints once it listens (its imports done)
+        # the server prints "ready" once it listens (its imports done); a start that hangs is given up
+        readable, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
+        ready = self.proc.stdout.readline() if readable else b""
         if ready.strip() != b"ready":
+            self.proc.kill()
             self.close()
-            raise RuntimeError(f"the Spark Python zygote did not start (exit {self.proc.poll()})")
+            raise RuntimeError(f"the Spark Python zygote did not start within {START_TIMEOUT:.0f}s "
+                               f"(exit {self.proc.poll()})")
         script = self.dir / "launch.py"
         script.write_text(LAUNCHER.format(real=real_python, sock=self.socket, forked=forked))
         # a shell line, not a "#!python" one: no limit on the interpreter path's length or spaces

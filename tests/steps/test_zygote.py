@@ -101,3 +101,15 @@ def test_spark_forks_its_source_runners_from_the_zygote(spark, tmp_path):
         assert server.children(), "the zygote forked no process"
     finally:
         q.stop()
+
+
+def test_a_zygote_that_does_not_start_leaves_spark_on_the_real_python(monkeypatch, tmp_path, caplog):
+    """Never a hang: a zygote that is not ready in time is killed, and Spark gets the Python it was given."""
+    stuck = tmp_path / "python"
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o700)
+    monkeypatch.setattr(zygote, "START_TIMEOUT", 0.5)
+    monkeypatch.setattr(zygote, "_running", None)
+    assert zygote.launcher_for(str(stuck)) == str(stuck)
+    assert "start cold" in caplog.text and "did not start within 0s" in caplog.text
+    assert not [p for p in psutil.Process().children(recursive=True) if "sleep" in p.name()]
