@@ -208,6 +208,51 @@ def _meta_ready(nodes: list[NodeState]) -> bool:
     return True
 
 
+def _gossiped(nodes: list[NodeState]) -> bool:
+    """Every node knows every node's client URL (what a client learns from its INFO, and what
+    provisioning counts servers by): before that, a client may see a cluster of two for a while."""
+    for n in nodes:
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{n.http_port}/varz", timeout=1) as r:
+                urls = json.load(r).get("connect_urls") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        if len(set(urls)) < len(nodes):
+            return False
+    return True
+
+
+def _js_api_ready(state: ServerState) -> bool:
+    """Every node answers a JetStream API request: just after the meta leader is elected a node can
+    still answer "no responders" (seen as a cluster's first KV put failing on a busy machine)."""
+    # lazy: the NATS client is needed here only; isb.settings imports this module without it
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from isbflow.isb.connect import connect
+    from isbflow.isb.settings import NatsSettings
+
+    async def answers(url: str) -> bool:
+        try:
+            nc = await connect(NatsSettings(servers=(url,), tls_ca=state.ca_file), name="isbflow-nats-up",
+                               timeout=2.0, reconnect_attempts=0)
+        except Exception:  # noqa: BLE001 - not reachable yet: not ready
+            return False
+        try:
+            await nc.request("$JS.API.INFO", b"", timeout=1.0)
+            return True
+        except Exception:  # noqa: BLE001 - no responders or a timeout: not ready
+            return False
+        finally:
+            await nc.close()
+
+    async def every() -> bool:
+        return all(await asyncio.gather(*(answers(u) for u in state.urls)))
+
+    with ThreadPoolExecutor(1) as pool:  # its own event loop, whether or not the caller runs one
+        return pool.submit(asyncio.run, every()).result()
+
+
 def nats_dir(data_dir: Path) -> Path:
     return DataDir(data_dir).nats
 
@@ -374,12 +419,13 @@ def start_embedded(
             )
         if pending:
             time.sleep(0.1)
-    while len(nodes) > 1 and not _meta_ready(nodes):
+    while len(nodes) > 1 and not (_meta_ready(nodes) and _gossiped(nodes) and _js_api_ready(state)):
         if time.monotonic() > deadline:
             _kill_nodes(nodes)
             state_file.unlink(missing_ok=True)
             raise EmbeddedNatsError(
-                f"the JetStream cluster formed no meta leader with every peer current after {timeout:.0f}s "
+                f"the JetStream cluster formed no meta leader with every peer current, every server's client "
+                f"URL known to all and the JetStream API answering on each, after {timeout:.0f}s "
                 f"(logs under {ndir})")
         time.sleep(0.1)
     return state
