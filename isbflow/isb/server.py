@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from isbflow.isb import roles
+from isbflow.isb import readiness, roles
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
 from isbflow.spec.paths import DataDir, private_dir
@@ -182,75 +182,6 @@ def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[i
         auth = f'authorization {{ user: "route", password: "{route_password}", timeout: 5 }}' if user else ""
         lines.append(f"cluster {{\n  name: isbflow\n  listen: {HOST}:{cluster}\n  routes: [{rts}]\n  {auth}\n}}")
     return "\n".join(lines) + "\n"
-
-
-def _healthy(http_port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{http_port}/healthz", timeout=1) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _meta_ready(nodes: list[NodeState]) -> bool:
-    """Every node sees a JetStream meta leader, and the leader sees all its peers current:
-    before that, creating an R3 stream can time out (seen on a busy 2-core machine)."""
-    for n in nodes:
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{n.http_port}/jsz", timeout=1) as r:
-                meta = json.load(r).get("meta_cluster") or {}
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-        if not meta.get("leader"):
-            return False
-        if meta["leader"] == n.name and not all(p.get("current") for p in meta.get("replicas") or []):
-            return False
-    return True
-
-
-def _gossiped(nodes: list[NodeState]) -> bool:
-    """Every node knows every node's client URL (what a client learns from its INFO, and what
-    provisioning counts servers by): before that, a client may see a cluster of two for a while."""
-    for n in nodes:
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{n.http_port}/varz", timeout=1) as r:
-                urls = json.load(r).get("connect_urls") or []
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-        if len(set(urls)) < len(nodes):
-            return False
-    return True
-
-
-def _js_api_ready(state: ServerState) -> bool:
-    """Every node answers a JetStream API request: just after the meta leader is elected a node can
-    still answer "no responders" (seen as a cluster's first KV put failing on a busy machine)."""
-    # lazy: the NATS client is needed here only; isb.settings imports this module without it
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from isbflow.isb.connect import connect
-    from isbflow.isb.settings import NatsSettings
-
-    async def answers(url: str) -> bool:
-        try:
-            nc = await connect(NatsSettings(servers=(url,), tls_ca=state.ca_file), name="isbflow-nats-up",
-                               timeout=2.0, reconnect_attempts=0)
-        except Exception:  # noqa: BLE001 - not reachable yet: not ready
-            return False
-        try:
-            await nc.request("$JS.API.INFO", b"", timeout=1.0)
-            return True
-        except Exception:  # noqa: BLE001 - no responders or a timeout: not ready
-            return False
-        finally:
-            await nc.close()
-
-    async def every() -> bool:
-        return all(await asyncio.gather(*(answers(u) for u in state.urls)))
-
-    with ThreadPoolExecutor(1) as pool:  # its own event loop, whether or not the caller runs one
-        return pool.submit(asyncio.run, every()).result()
 
 
 def nats_dir(data_dir: Path) -> Path:
@@ -409,7 +340,7 @@ def start_embedded(
                 last = "\n".join(t for t in (tail(Path(n.log).with_suffix(".out"), 10, 4096),
                                                tail(n.log, 10, 4096)) if t)
                 raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{last}")
-        pending = [n for n in pending if not _healthy(n.http_port)]
+        pending = [n for n in pending if not readiness.healthy(HOST, n.http_port)]
         if pending and time.monotonic() > deadline:
             _kill_nodes(nodes)
             state_file.unlink(missing_ok=True)
@@ -419,7 +350,7 @@ def start_embedded(
             )
         if pending:
             time.sleep(0.1)
-    while len(nodes) > 1 and not (_meta_ready(nodes) and _gossiped(nodes) and _js_api_ready(state)):
+    while len(nodes) > 1 and not readiness.cluster_ready(HOST, state):
         if time.monotonic() > deadline:
             _kill_nodes(nodes)
             state_file.unlink(missing_ok=True)

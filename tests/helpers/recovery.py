@@ -225,15 +225,18 @@ class SaturatedCores:
         self.limit_s, self.count = limit_s, per_core * (os.cpu_count() or 1)
         self.procs: list[subprocess.Popen] = []
         self.busy_s = 0.0
+        self.wall_s = 0.0
 
     def __enter__(self) -> SaturatedCores:
         loop = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end: pass\n"
         self.procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(self.count)]
+        self._t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
         import psutil
 
+        self.wall_s = time.monotonic() - self._t0
         for proc in self.procs:
             try:
                 times = psutil.Process(proc.pid).cpu_times()
@@ -242,6 +245,13 @@ class SaturatedCores:
                 pass
             proc.kill()
             proc.wait(timeout=10)
+
+    def check(self) -> None:
+        """The loops took at least a quarter of the machine while they ran (the work under test
+        competed with them), however long that was."""
+        share = self.busy_s / max(self.wall_s * (os.cpu_count() or 1), 1e-9)
+        assert share > 0.25, (f"the load generator did not load the machine: {self.busy_s:.1f} CPU s in "
+                              f"{self.wall_s:.1f} s on {os.cpu_count()} cores ({share:.0%})")
 
 
 def kill_group(pid: int) -> None:

@@ -157,7 +157,7 @@ def test_recover_after_edge_stream_deleted(spark, nats_server, tmp_path):
 
     with SaturatedCores(limit_s=180) as load:
         report = recover(spark, specs, p, settings, data_dir)
-    assert load.busy_s > 10, f"the load generator did not load the machine ({load.busy_s:.1f} CPU s)"
+    load.check()
 
     print(_summary(report))
     assert report.ok, json.dumps(report.to_json(), default=str)
@@ -216,7 +216,7 @@ def test_recover_memory_buffers_after_server_restart(spark, nats_server, tmp_pat
 
     with SaturatedCores(limit_s=180) as load:
         report = recover(spark, specs, p, settings, data_dir)
-    assert load.busy_s > 10, f"the load generator did not load the machine ({load.busy_s:.1f} CPU s)"
+    load.check()
 
     print(_summary(report))
     assert report.ok, json.dumps(report.to_json(), default=str)
