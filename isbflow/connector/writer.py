@@ -131,8 +131,8 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> JetStreamWriteReport:
         """Executor: publish this task's rows as frames; return what was published."""
-        # lazy: the publisher brings pyarrow and nats-py (~0.4 s of imports); Spark forks a process per
-        # micro-batch commit that unpickles this writer and runs commit() only, which needs neither
+        # lazy: the publisher brings pyarrow and nats-py (~0.4 s of imports); the sink runner Spark starts
+        # for each query unpickles this writer and runs commit() only, which needs neither
         from isbflow.connector.task_publisher import TaskPublisher
 
         batch_id, task = self.task_identity()
