@@ -33,10 +33,13 @@ from isbflow.connector.write_options import (
     UNAVAILABLE_FOR,
     UNROUTED_COLUMN,
     BufferWriteError,
+    FanOutReport,
     InvalidPartitionColumn,
     JetStreamWriteReport,
     OutputBufferNotFound,
     WriterOptions,
+    partition_columns,
+    target_column,
 )
 from isbflow.isb import naming
 from isbflow.isb.connect import connect
@@ -111,31 +114,49 @@ class TaskPublisher:
         first = next((b for b in batches if b.num_rows), None)
         if first is None:  # an empty task (e.g. one of many shuffle partitions) does not connect
             return self.report
-        self.nc = await connect(self.opts.settings, name=f"isbflow-writer-{self.opts.step}-{self.task}")
+        nc = await connect(self.opts.settings, name=f"isbflow-writer-{self.opts.step}-{self.task}")
         try:
-            self.js: nats.js.JetStreamContext = self.nc.jetstream()
-            self.pipe = AckedPublisher(self.nc, _settle_in_flight, _in_flight_message, unavailable_for=UNAVAILABLE_FOR)
-            await self.pipe.start()
-            self.max_payload = min(self.opts.max_payload or self.nc.max_payload, self.nc.max_payload)
-            self.kv = await self._status_kv() if self.capacity is not None else None
+            await self.attach(nc)
             for batch in itertools.chain([first], batches):
-                unrouted = self._count_unrouted(batch)
-                batch = await self._dead_letter_errors(batch)
-                batch = self._drop_unrouted(batch, unrouted)
-                for p, rows in self._route(batch):
-                    buf = self._buffer(p)
-                    buf.pending.append(rows)
-                    buf.pending_rows += rows.num_rows
-                    if buf.pending_rows >= self.opts.frame_rows:
-                        await self._flush(buf, final=False)
-            for buf in list(self.buffers.values()):
-                await self._flush(buf, final=True)
-            while self.inflight:
-                await self._settle_oldest()
+                await self.feed(await self.screen(batch))
+            await self.finish()
         finally:
-            await self.nc.close()
-        self.report.blocked_seconds = round(self.report.blocked_seconds, 3)
+            await nc.close()
         return self.report
+
+    async def attach(self, nc) -> None:
+        """Publish on ``nc`` (one connection per task, shared by a fan-out's edges)."""
+        self.nc = nc
+        self.js: nats.js.JetStreamContext = nc.jetstream()
+        self.pipe = AckedPublisher(nc, _settle_in_flight, _in_flight_message, unavailable_for=UNAVAILABLE_FOR)
+        await self.pipe.start()
+        self.max_payload = min(self.opts.max_payload or nc.max_payload, nc.max_payload)
+        self.kv = await self._status_kv() if self.capacity is not None else None
+
+    async def screen(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """What a step publishes of ``batch``: unrouted rows counted, rows marked with an error
+        dead-lettered, both taken out (once per row, whichever edges it goes to)."""
+        unrouted = self._count_unrouted(batch)
+        batch = await self._dead_letter_errors(batch)
+        return self._drop_unrouted(batch, unrouted)
+
+    async def feed(self, batch: pa.RecordBatch, partitions: pa.Array | None = None) -> None:
+        """Route ``batch``'s rows to this edge's partitions (``partitions``: each row's, else the
+        ``_isb_partition`` column) and publish every full frame."""
+        for p, rows in self._route(batch, partitions):
+            buf = self._buffer(p)
+            buf.pending.append(rows)
+            buf.pending_rows += rows.num_rows
+            if buf.pending_rows >= self.opts.frame_rows:
+                await self._flush(buf, final=False)
+
+    async def finish(self) -> None:
+        """Publish what is pending and wait for every acknowledgement."""
+        for buf in list(self.buffers.values()):
+            await self._flush(buf, final=True)
+        while self.inflight:
+            await self._settle_oldest()
+        self.report.blocked_seconds = round(self.report.blocked_seconds, 3)
 
     async def _status_kv(self):
         bucket = naming.status_bucket(self.opts.pipeline)
@@ -182,8 +203,9 @@ class TaskPublisher:
         if errors.null_count == batch.num_rows:
             return batch.drop_columns(drop)
         bad = pc.is_valid(errors)
-        rejected = batch.filter(bad).drop_columns([c for c in (PARTITION_COLUMN, UNROUTED_COLUMN)
-                                                   if c in batch.schema.names])
+        rejected = batch.filter(bad).drop_columns([*partition_columns(batch.schema.names),
+                                                   *([UNROUTED_COLUMN] if UNROUTED_COLUMN in batch.schema.names
+                                                     else [])])
         letters = []
         for row in rejected.to_pylist():
             reason = row.pop(ERROR_COLUMN)
@@ -198,16 +220,18 @@ class TaskPublisher:
         return batch.filter(pc.invert(bad)).drop_columns(drop)
 
     # -- routing
-    def _route(self, batch: pa.RecordBatch) -> Iterator[tuple[int, pa.RecordBatch]]:
+    def _route(self, batch: pa.RecordBatch, col: pa.Array | None = None) -> Iterator[tuple[int, pa.RecordBatch]]:
         if batch.num_rows == 0:
             return
         n = self.opts.partitions
-        idx = batch.schema.get_field_index(PARTITION_COLUMN)
-        if idx < 0:
-            yield self.task % n, batch
-            return
-        col = batch.column(idx)
-        data = batch.drop_columns([PARTITION_COLUMN])
+        if col is None:
+            idx = batch.schema.get_field_index(PARTITION_COLUMN)
+            if idx < 0:
+                yield self.task % n, batch
+                return
+            col = batch.column(idx)
+            batch = batch.drop_columns([PARTITION_COLUMN])
+        data = batch
         if col.null_count:
             raise InvalidPartitionColumn(
                 f"step {self.opts.step} -> {self.opts.to}: {col.null_count} row(s) have a null {PARTITION_COLUMN}")
@@ -377,3 +401,52 @@ class TaskPublisher:
         return max(0, last - max(committed, first - 1))
 
 
+
+
+class FanOutPublisher:
+    """One task of a fan-out writer: every out edge of a step from one pass over its rows.
+
+    One connection; rows are screened once (unrouted counted, errors dead-lettered: in the first
+    edge's report), then each edge takes the rows whose ``_isb_partition_<i>`` is set, into the
+    partition it names, with its own frames, ids, full-buffer handling and report.
+    """
+
+    def __init__(self, targets: list[WriterOptions], batch_id: int, task: int):
+        self.pubs = [TaskPublisher(o, batch_id, task) for o in targets]
+        self.columns = [target_column(i) for i in range(len(targets))]
+
+    async def run(self, batches: Iterator[pa.RecordBatch]) -> FanOutReport:
+        lead = self.pubs[0]
+        batches = iter(batches)
+        first = next((b for b in batches if b.num_rows), None)
+        if first is not None:
+            nc = await connect(lead.opts.settings, name=f"isbflow-writer-{lead.opts.step}-{lead.task}")
+            try:
+                for pub in self.pubs:
+                    await pub.attach(nc)
+                for batch in itertools.chain([first], batches):
+                    await self._fan_out(await lead.screen(batch))
+                for pub in self.pubs:
+                    await pub.finish()
+            finally:
+                await nc.close()
+        return FanOutReport([pub.report for pub in self.pubs])
+
+    async def _fan_out(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        missing = [c for c in self.columns if c not in batch.schema.names]
+        if missing:
+            raise InvalidPartitionColumn(f"step {self.pubs[0].opts.step}: a fan-out writer of "
+                                         f"{len(self.pubs)} edges needs the columns {', '.join(self.columns)} "
+                                         f"(missing: {', '.join(missing)})")
+        data = batch.drop_columns(partition_columns(batch.schema.names))
+        for pub, name in zip(self.pubs, self.columns, strict=True):
+            col = batch.column(name)
+            if col.null_count == batch.num_rows:
+                continue
+            if col.null_count:
+                take = pc.is_valid(col)
+                await pub.feed(data.filter(take), col.filter(take))
+            else:
+                await pub.feed(data, col)

@@ -33,6 +33,22 @@ RAW_COLUMN = "_isb_raw"
 #: A row with this column true matched no out edge's conditions (:mod:`isbflow.steps.routing`):
 #: never published, counted as ``unrouted`` (and dead-lettered when ``_isb_error`` is set too).
 UNROUTED_COLUMN = "_isb_unrouted"
+#: Option of a fan-out writer: JSON list of the out edges one query writes (``targets``, module
+#: docstring of :mod:`isbflow.connector.writer`); each row then says per edge ``i`` which partition
+#: takes it in ``_isb_partition_<i>`` (null: edge ``i`` does not take the row).
+TARGETS_OPTION = "targets"
+#: Per-edge options a ``targets`` entry may set; the rest are the writer's, shared by every edge.
+TARGET_KEYS = ("to", "partitions", "bufferMaxLength", "bufferUsageLimit", "statsDir", "committedKey")
+
+
+def target_column(i: int) -> str:
+    """The partition column of out edge ``i`` of a fan-out writer."""
+    return f"{PARTITION_COLUMN}_{i}"
+
+
+def partition_columns(names: Iterable[str]) -> list[str]:
+    """The routing columns among ``names`` (``_isb_partition`` and ``_isb_partition_<i>``)."""
+    return [n for n in names if n == PARTITION_COLUMN or n.startswith(PARTITION_COLUMN + "_")]
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 DEFAULT_COMMITTED_KEY = "committed.{to}.{stream}"
 DEFAULT_WINDOW = 32
@@ -146,6 +162,33 @@ class WriterOptions:
             window=int_option(options, "publishWindow", DEFAULT_WINDOW),
         )
 
+    @classmethod
+    def parse_targets(cls, options: Mapping[str, str]) -> list[WriterOptions]:
+        """The options of every edge written: one without a ``targets`` option, else one per entry
+        (its keys over the shared options; only :data:`TARGET_KEYS` may differ per edge)."""
+        raw = options.get(TARGETS_OPTION)
+        if raw is None or not str(raw).strip():
+            return [cls.parse(options)]
+        try:
+            targets = json.loads(raw)
+        except ValueError as e:
+            raise ConnectorOptionError(f"option '{TARGETS_OPTION}': not JSON ({e})") from None
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, dict) for t in targets):
+            raise ConnectorOptionError(f"option '{TARGETS_OPTION}': expected a non-empty JSON list of objects "
+                                       f"with keys among {', '.join(TARGET_KEYS)}, got {raw!r}")
+        shared = {k: v for k, v in options.items() if k != TARGETS_OPTION}
+        out = []
+        for i, t in enumerate(targets):
+            extra = sorted(set(t) - set(TARGET_KEYS))
+            if extra:
+                raise ConnectorOptionError(f"option '{TARGETS_OPTION}'[{i}]: unknown key(s) {', '.join(extra)} "
+                                           f"(per edge: {', '.join(TARGET_KEYS)})")
+            out.append(cls.parse({**shared, **{k: str(v) for k, v in t.items() if v is not None}}))
+        tos = [o.to for o in out]
+        if len(set(tos)) != len(tos):
+            raise ConnectorOptionError(f"option '{TARGETS_OPTION}': an edge is named twice ({', '.join(tos)})")
+        return out
+
     def buffer(self, partition: int) -> naming.EdgePartition:
         return naming.EdgePartition(self.pipeline, self.step, self.to, partition)
 
@@ -197,6 +240,14 @@ class JetStreamWriteReport(WriterCommitMessage):
 
     def total(self, name: str) -> int:
         return sum(c[name] for c in self.partitions.values())
+
+
+@dataclass
+class FanOutReport(WriterCommitMessage):
+    """What one task of a fan-out writer published: one report per out edge, in ``targets`` order
+    (dead letters and unrouted rows, counted once per row, are in the first edge's)."""
+
+    reports: list[JetStreamWriteReport]
 
 
 def aggregate_reports(messages: Iterable[JetStreamWriteReport | None], batch_id: int,

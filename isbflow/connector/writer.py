@@ -3,7 +3,8 @@
 ``df.writeStream.format("jetstream")`` (the ``streamWriter`` of
 :class:`isbflow.connector.source.JetStreamDataSource`) writes a step's output into the buffers of
 one edge ``step -> to``: one stream per partition of ``to``
-(:class:`isbflow.isb.naming.EdgePartition`).
+(:class:`isbflow.isb.naming.EdgePartition`), or, with the ``targets`` option, into every out
+edge of the step in one pass (a *fan-out*: one query per step, whatever its out degree).
 
 Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
 
@@ -15,11 +16,19 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   partitions`` (a keyless edge: tasks spread over partitions, a task's order is
   kept). A null or out-of-range value fails the task with
   :class:`InvalidPartitionColumn`.
+- **Fan-out.** ``targets`` is a JSON list, one object per out edge, with the per-edge options
+  (``to``, ``partitions``, ``bufferMaxLength``, ``bufferUsageLimit``, ``statsDir``,
+  ``committedKey``; the others are shared). Row routing then comes from one column per edge,
+  ``_isb_partition_<i>`` for the ``i``-th entry: the edge partition, or null when edge ``i``
+  does not take the row (the runner computes it from the edge's ``conditions``). Each edge has
+  its own frames, ids, full-buffer handling and stats (``statsDir``); rows are screened once
+  (dead letters and unrouted rows are counted in the first edge's stats), and a task holds one
+  connection for all edges.
 - **Unrouted records.** A row whose ``_isb_unrouted`` column is true matched no
-  out edge's ``conditions`` (:mod:`isbflow.steps.routing` marks them on the
-  first out edge's query): it is not published, it is counted as ``unrouted``,
-  and, when its ``_isb_error`` is set too, dead-lettered with that reason. The
-  column is dropped from the published records.
+  out edge's ``conditions`` (:mod:`isbflow.steps.routing` marks them): it is not
+  published, it is counted as ``unrouted``, and, when its ``_isb_error`` is set
+  too, dead-lettered with that reason. The column is dropped from the published
+  records.
 - **Frames.** Rows of one partition are cut into frames by
   :func:`isbflow.isb.frames.split_frames` (``frameRows`` rows, at most
   ``maxPayload`` bytes), in input order. Each frame is published with an
@@ -94,18 +103,22 @@ from isbflow.connector.write_options import (  # noqa: F401 - the writer's publi
     ERROR_COLUMN,
     PARTITION_COLUMN,
     RAW_COLUMN,
+    TARGETS_OPTION,
     TOTALS_FILE,
     UNROUTED_COLUMN,
     BufferWriteError,
+    FanOutReport,
     InvalidPartitionColumn,
     JetStreamWriteReport,
     OutputBufferNotFound,
     WriterOptions,
     aggregate_reports,
+    partition_columns,
     read_write_stats,
     read_write_totals,
     record_write_stats,
     spark_task_identity,
+    target_column,
 )
 from isbflow.isb.errors import ConnectorOptionError
 
@@ -118,44 +131,57 @@ log = logging.getLogger(__name__)
 
 
 class JetStreamStreamWriter(DataSourceStreamArrowWriter):
-    """Spark's stream writer for the buffers of one edge (module docstring states the contract).
+    """Spark's stream writer for the buffers of one edge, or of every out edge of a step in one pass
+    (``targets``; module docstring states the contract).
 
     Created on the driver, pickled to executors. ``task_identity`` returns
     (batch id, task partition id); the default reads the Spark task's context.
     """
 
     def __init__(self, options: WriterOptions,
-                 task_identity: Callable[[], tuple[int, int]] = spark_task_identity):
+                 task_identity: Callable[[], tuple[int, int]] = spark_task_identity,
+                 targets: list[WriterOptions] | None = None):
         self.options = options
         self.task_identity = task_identity
+        #: a fan-out writer's edges (``targets`` option), None for one edge
+        self.targets = targets
 
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> JetStreamWriteReport:
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> JetStreamWriteReport | FanOutReport:
         """Executor: publish this task's rows as frames; return what was published."""
         # lazy: the publisher brings pyarrow and nats-py (~0.4 s of imports); the sink runner Spark starts
-        # for each query unpickles this writer and runs commit() only, which needs neither
-        from isbflow.connector.task_publisher import TaskPublisher
+        # once per query unpickles this writer and runs commit() only, which needs neither
+        from isbflow.connector.task_publisher import FanOutPublisher, TaskPublisher
 
         batch_id, task = self.task_identity()
+        if self.targets is not None:
+            return asyncio.run(FanOutPublisher(self.targets, batch_id, task).run(iterator))
         return asyncio.run(TaskPublisher(self.options, batch_id, task).run(iterator))
 
-    def commit(self, messages: list[JetStreamWriteReport | None], batchId: int) -> None:  # noqa: N803
-        """Driver: sum the tasks' counts, log them, add them to ``statsDir``'s totals if set."""
-        stats = aggregate_reports(messages, batchId, self.options)
-        stats.update(pipeline=self.options.pipeline, step=self.options.step, to=self.options.to)
-        log.info("jetstream writer %s -> %s batch %s: %s", self.options.step, self.options.to, batchId,
-                 json.dumps(stats))
-        if self.options.stats_dir and not record_write_stats(self.options.stats_dir, stats,
-                                                             self.options.stats_keep):
-            log.info("jetstream writer %s -> %s batch %s committed again: already in the totals, not counted "
-                     "twice", self.options.step, self.options.to, batchId)
+    def _edges(self, messages: list) -> list[tuple[WriterOptions, list[JetStreamWriteReport | None]]]:
+        """(edge options, its task reports) for every edge written."""
+        if self.targets is None:
+            return [(self.options, messages)]
+        return [(o, [m.reports[i] if m is not None else None for m in messages])
+                for i, o in enumerate(self.targets)]
 
-    def abort(self, messages: list[JetStreamWriteReport | None], batchId: int) -> None:  # noqa: N803
+    def commit(self, messages: list, batchId: int) -> None:  # noqa: N803
+        """Driver: sum the tasks' counts per edge, log them, add them to the edge's ``statsDir`` totals."""
+        for opts, reports in self._edges(messages):
+            stats = aggregate_reports(reports, batchId, opts)
+            stats.update(pipeline=opts.pipeline, step=opts.step, to=opts.to)
+            log.info("jetstream writer %s -> %s batch %s: %s", opts.step, opts.to, batchId, json.dumps(stats))
+            if opts.stats_dir and not record_write_stats(opts.stats_dir, stats, opts.stats_keep):
+                log.info("jetstream writer %s -> %s batch %s committed again: already in the totals, not "
+                         "counted twice", opts.step, opts.to, batchId)
+
+    def abort(self, messages: list, batchId: int) -> None:  # noqa: N803
         """Driver: a task failed. Frames already published stay; the retried batch republishes
         the same ids, which JetStream drops as duplicates."""
-        stats = aggregate_reports(messages, batchId, self.options)
-        log.warning("jetstream writer %s -> %s batch %s aborted after %s task(s) published %s frames "
-                    "(%s failed); the re-run deduplicates by frame id", self.options.step, self.options.to,
-                    batchId, stats["tasks"], stats["frames"], stats["failedTasks"])
+        for opts, reports in self._edges(messages):
+            stats = aggregate_reports(reports, batchId, opts)
+            log.warning("jetstream writer %s -> %s batch %s aborted after %s task(s) published %s frames "
+                        "(%s failed); the re-run deduplicates by frame id", opts.step, opts.to,
+                        batchId, stats["tasks"], stats["frames"], stats["failedTasks"])
 
 
 _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
@@ -163,10 +189,18 @@ _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 
 def stream_writer(options: Mapping[str, str], schema: StructType) -> JetStreamStreamWriter:
     """The writer for a ``streamWriter(schema, overwrite)`` call: options parsed, schema checked."""
-    opts = WriterOptions.parse(options)
-    if PARTITION_COLUMN in schema.fieldNames():
-        dtype = schema[PARTITION_COLUMN].dataType
+    targets = WriterOptions.parse_targets(options)
+    fan_out = TARGETS_OPTION in options and str(options[TARGETS_OPTION]).strip()
+    names = schema.fieldNames()
+    if fan_out:
+        missing = [target_column(i) for i in range(len(targets)) if target_column(i) not in names]
+        if missing:
+            raise ConnectorOptionError(f"option '{TARGETS_OPTION}' names {len(targets)} edge(s): each row needs "
+                                       f"the partition of each in {', '.join(missing)} (null: the edge does "
+                                       "not take the row)")
+    for name in partition_columns(names):
+        dtype = schema[name].dataType
         if not isinstance(dtype, _INTEGRAL):
-            raise ConnectorOptionError(f"column {PARTITION_COLUMN} must be an integer (pmod(xxhash64(key), n)), "
+            raise ConnectorOptionError(f"column {name} must be an integer (pmod(xxhash64(key), n)), "
                                        f"got {dtype.simpleString()}")
-    return JetStreamStreamWriter(opts)
+    return JetStreamStreamWriter(targets[0], targets=targets if fan_out else None)

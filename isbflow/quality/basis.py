@@ -149,11 +149,9 @@ def query_watermark(checkpoint: Path) -> int | None:
 
 
 def step_watermark(data_dir: str | Path, p: Pipeline, vertex: str) -> int | None:
-    """The watermark every query of ``vertex`` has reached (the lowest of its queries'); None when
-    a query has committed nothing. 0 is Spark's "no watermark" (a step without one)."""
-    targets = [e.to for e in p.outputs(vertex)] or [None]
-    found = [query_watermark(DataDir(Path(data_dir)).checkpoint(p.name, vertex, to)) for to in targets]
-    return None if any(w is None for w in found) else min(found)  # type: ignore[type-var]
+    """The watermark the query of ``vertex`` has reached; None when it has committed nothing. 0 is
+    Spark's "no watermark" (a step without one)."""
+    return query_watermark(DataDir(Path(data_dir)).checkpoint(p.name, vertex, p.query_to(vertex)))
 
 
 def aggregating_step(p: Pipeline, sink: str, data_dir: str | Path) -> str | None:

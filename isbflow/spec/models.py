@@ -449,6 +449,14 @@ class Pipeline(SpecModel):
     def outputs(self, name: str) -> list[Edge]:
         return [e for e in self.spec.edges if e.from_ == name]
 
+    def query_to(self, name: str) -> str | None:
+        """What names vertex ``name``'s one Spark query (``paths.query_name(name, to)``): the target of
+        its only out edge, else None (a sink; or a vertex with several out edges, which one query
+        writes in one pass). A one-edge vertex keeps the name of the days of one query per edge, so
+        its checkpoint carries on."""
+        outs = self.outputs(name)
+        return outs[0].to if len(outs) == 1 else None
+
     def ancestors(self, name: str) -> set[str]:
         """Every vertex with a path to ``name`` (not ``name`` itself, unless on a cycle)."""
         return graph.reach(name, lambda n: [e.from_ for e in self.inputs(n)])

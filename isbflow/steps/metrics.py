@@ -147,7 +147,9 @@ class PipelineMetrics:
         self.dead_letters.labels(**labels)
         self.unrouted.labels(**labels)
         for i, rq in enumerate(run.queries):
-            self.records_out.labels(**labels, to=rq.to or SINK_TARGET)
+            outs: list[tuple[str | None, str | None]] = list(rq.edges) or [(None, None)]  # a sink
+            for to, _ in outs:
+                self.records_out.labels(**labels, to=to or SINK_TARGET)
             for prog in self._new_progress((step, rq.to), rq.query.recentProgress or []):
                 if "addBatch" not in (prog.get("durationMs") or {}):
                     continue  # an idle trigger (no batch ran)
@@ -155,8 +157,8 @@ class PipelineMetrics:
                     self.records_in.labels(**labels).inc(int(prog.get("numInputRows") or 0))
                     self.batch_duration.labels(**labels).observe(prog["durationMs"].get("triggerExecution", 0) / 1e3)
                     self.last_batch.labels(**labels).set(_epoch(prog.get("timestamp")))
-                out = self._rows_out(rq, prog)
-                self.records_out.labels(**labels, to=rq.to or SINK_TARGET).inc(out)
+                for to, stats_dir in outs:
+                    self.records_out.labels(**labels, to=to or SINK_TARGET).inc(self._rows_out(stats_dir, prog))
         status = run.status
         if status is None:
             return
@@ -198,15 +200,17 @@ class PipelineMetrics:
         return new
 
     @staticmethod
-    def _rows_out(rq: Any, prog: dict) -> int:
-        if rq.stats_dir:  # the jetstream writer's stats of this batch: rows stored anew
-            path = Path(rq.stats_dir) / f"batch-{prog['batchId']}.json"
+    def _rows_out(stats_dir: str | None, prog: dict) -> int:
+        """Rows a batch wrote on one out edge (``stats_dir``: the writer's stats of that edge), or,
+        for a sink (None), into the sink."""
+        if stats_dir:  # the jetstream writer's stats of this batch: rows stored anew
+            path = Path(stats_dir) / f"batch-{prog['batchId']}.json"
             try:
                 return int(json.loads(path.read_text()).get("rows") or 0)
             except (OSError, ValueError):
-                pass
+                return 0
         out = int((prog.get("sink") or {}).get("numOutputRows") or 0)
-        if out < 0 and rq.to is None:
+        if out < 0:
             # a foreachBatch sink (Delta, PostgreSQL): Spark reports -1; a sink vertex runs no
             # transform, so the batch's input rows are the rows handed to the sink
             out = int(prog.get("numInputRows") or 0)

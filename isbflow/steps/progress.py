@@ -16,12 +16,15 @@ from isbflow.isb import state as st
 
 @dataclass
 class RunningQuery:
+    """A step's one Spark query (:meth:`isbflow.spec.models.Pipeline.query_to` names it)."""
+
     vertex: str
-    to: str | None
+    to: str | None  # names the query: the only out edge's target, None for a sink or a fan-out
     query: Any
     inputs: list[str]  # input stream names (for committed offsets, lag, release)
     seen_batch: int = -1
-    stats_dir: str | None = None
+    #: (target, writer stats dir) of every out edge the query writes, in spec order; [] for a sink
+    edges: list[tuple[str, str]] = field(default_factory=list)
     writer: Any = None  # the DataStreamWriter, to start the query again from its checkpoint
     restarts: int = 0
 
@@ -56,8 +59,8 @@ def committed_offsets(rq: RunningQuery) -> dict[str, int] | None:
 
 
 def step_committed(queries: list[RunningQuery]) -> dict[str, int]:
-    """What the step has committed: with several queries per vertex (one per output edge) only
-    what all of them have. A stream one query has not reported yet (no batch since it started
+    """What the step has committed: only what all of its queries have (a step has one, but a
+    runner may hold a restarted one beside it). A stream one query has not reported yet (no batch since it started
     or restarted) is not committed at all, or its release would purge what that query reads."""
     per_query = [committed_offsets(rq) or {} for rq in queries]
     return {s: min(c[s] for c in per_query) for s in (per_query[0] if per_query else {})

@@ -15,12 +15,17 @@ expression, evaluated in the JVM (no Python per record).
 dropped before the writer, whatever the edges say), so buffers and sinks
 downstream never hold it, and the next step can set its own.
 
+**One pass.** A vertex's one query writes all its out edges
+(:mod:`isbflow.connector.writer`, *fan-out*): :func:`routed` gives each row its
+partition on every edge that takes it (``_isb_partition_<i>``, null where edge
+``i``'s conditions do not match), so the transform runs once however many edges
+leave it.
+
 **Unrouted records.** When every out edge of a vertex has conditions, a record
-may match none of them. The runner writes one query per out edge, so the query
-of the vertex's *first* out edge (in spec order) also carries those records,
-marked with the writer's :data:`~isbflow.connector.write_options.UNROUTED_COLUMN`:
-the writer publishes none of them and counts them (``unrouted`` in the edge's
-write stats, deduplicated per batch id like every count there; the step's
+may match none of them. It is marked with the writer's
+:data:`~isbflow.connector.write_options.UNROUTED_COLUMN`: the writer publishes
+none of them and counts them (``unrouted`` in the first edge's write stats,
+deduplicated per batch id like every count there; the step's
 ``StepStatus.unrouted_total``). With ``onUnrouted: deadLetter`` on the vertex
 they also carry ``_isb_error``, so the writer dead-letters them with the reason
 ``no out edge's conditions match tags [...]`` (counted in ``dlq_total`` too).
@@ -34,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, StringType
 
-from isbflow.connector.write_options import ERROR_COLUMN, UNROUTED_COLUMN, read_write_totals
+from isbflow.connector.write_options import (
+    ERROR_COLUMN,
+    PARTITION_COLUMN,
+    UNROUTED_COLUMN,
+    read_write_totals,
+    target_column,
+)
 from isbflow.spec.models import Edge, OnUnrouted, Pipeline, TagConditions, TagOperator
 from isbflow.steps.restart import StepError
 
@@ -82,30 +93,31 @@ def check_tags(df: DataFrame, pipeline: Pipeline, vertex: str, transform: str) -
                            f"got {dtype.simpleString()} (e.g. F.array(F.lit('error')))")
 
 
-def edge_output(df: DataFrame, pipeline: Pipeline, vertex: str, edge: Edge) -> DataFrame:
-    """What the query of out edge ``edge`` of ``vertex`` writes (module docstring): the records the
-    edge takes, plus, on the vertex's first out edge, the unrouted ones marked for the writer;
-    ``_tags`` dropped."""
-    v = pipeline.vertex(vertex)
-    if not v.udf:
-        return df  # sources cannot tag (validation), sinks have no out edges
-    if not conditional(pipeline, vertex):
-        return df.drop(TAGS_COLUMN)
+def routed(df: DataFrame, pipeline: Pipeline, vertex: str, parts: list[Column]) -> DataFrame:
+    """What ``vertex``'s query writes (module docstring): ``parts[i]`` is the partition of a row on
+    out edge ``i``; one edge: ``_isb_partition`` on the rows it takes (the unrouted ones marked
+    for the writer), several: ``_isb_partition_<i>`` per edge, null where it does not take the
+    row. ``_tags`` dropped."""
     outs = pipeline.outputs(vertex)
-    take = None if edge.conditions is None else tag_match(edge.conditions.tags)
-    everything = any(e.conditions is None for e in outs)
-    if edge == outs[0] and not everything:
-        matched = [tag_match(e.conditions.tags) for e in outs if e.conditions is not None]
-        unrouted = ~_any(matched)
+    v = pipeline.vertex(vertex)
+    cond = v.udf is not None and conditional(pipeline, vertex)  # sources cannot tag (validation)
+    takes = [tag_match(e.conditions.tags) if cond and e.conditions is not None else None for e in outs]
+    if cond and all(t is not None for t in takes):
+        unrouted = ~_any(takes)
         df = df.withColumn(UNROUTED_COLUMN, unrouted)
         if v.onUnrouted == OnUnrouted.DEAD_LETTER:
             tags = F.array_join(F.coalesce(F.col(TAGS_COLUMN), F.array().cast("array<string>")), ", ")
             reason = F.concat(F.lit("no out edge's conditions match tags ["), tags, F.lit("]"))
             df = df.withColumn(ERROR_COLUMN, F.when(unrouted, reason))
-        take = take | F.col(UNROUTED_COLUMN) if take is not None else None
-    if take is not None:
-        df = df.filter(take)
-    return df.drop(TAGS_COLUMN)
+    if len(outs) == 1:
+        if takes[0] is not None:  # the rows the edge takes, and the unrouted ones for the writer to count
+            df = df.filter(takes[0] | F.col(UNROUTED_COLUMN))
+        df = df.withColumn(PARTITION_COLUMN, parts[0].cast("int"))
+    else:
+        for i, (take, part) in enumerate(zip(takes, parts, strict=True)):
+            part = part.cast("int")
+            df = df.withColumn(target_column(i), part if take is None else F.when(take, part))
+    return df.drop(TAGS_COLUMN) if v.udf else df
 
 
 def edge_rows(df: DataFrame, pipeline: Pipeline, edge: Edge) -> DataFrame:
@@ -126,7 +138,7 @@ def _any(columns: list[Any]) -> Any:
 
 
 def unrouted_total(stats_dirs: list[str | None]) -> int:
-    """Records a step's writers left unrouted, from the write stats (only one query counts them)."""
+    """Records a step's writer left unrouted, from the write stats (only the first edge's count them)."""
     total = 0
     for d in stats_dirs:
         if d and Path(d).exists():

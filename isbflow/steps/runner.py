@@ -21,10 +21,13 @@ with its version); rows of one key always go to one edge partition, and the sink
 it feeds upserts on its ``keys`` (the Delta sink's ``mode=upsert``, latest version
 per key and batch), so every window, open ones included, is in the sink.
 
-A vertex with several output edges runs one query per edge (each with its own
-checkpoint); an edge with ``conditions.tags`` takes only the records whose
-``_tags`` match (:mod:`isbflow.steps.routing`); rows are routed to an edge's
-partitions by ``pmod(xxhash64(partitionKey), partitions)``, computed in the JVM.
+Each vertex runs one query, however many out edges it has: the jetstream
+writer's fan-out writes them all from one pass over the transform's output
+(:mod:`isbflow.connector.writer`); an edge with ``conditions.tags`` takes only
+the records whose ``_tags`` match (:mod:`isbflow.steps.routing`); rows are
+routed to an edge's partitions by ``pmod(xxhash64(partitionKey), partitions)``,
+computed in the JVM. The query's checkpoint is named after the vertex, or, for a
+vertex with one out edge, after that edge (:meth:`Pipeline.query_to`).
 
 After each micro-batch the runner records, per input stream, the sequence the
 step has committed (``committed.<vertex>.<stream>`` in the status bucket: what
@@ -76,6 +79,7 @@ from isbflow.spec import Specs
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
 from isbflow.steps import routing, sink_policy
+from isbflow.steps.checkpoints import fan_out_start
 from isbflow.steps.delta_sink import delta_writer
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
@@ -277,6 +281,9 @@ class PipelineRunner:
         run = StepRun(vertex)
         # Spark looks data sources up through the calling thread's active session
         self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
+        carried = fan_out_start(self.data_dir, self.p, vertex)  # per-edge checkpoints of an older isbflow
+        if carried and vertex not in self.starting_offsets:
+            self.starting_offsets[vertex] = carried
         df = self.apply_transform(vertex, self._read(vertex))
         inputs = self.input_streams(vertex)
         keys = self.update_keys(vertex)
@@ -286,10 +293,30 @@ class PipelineRunner:
                 raise StepError(f"step {vertex!r}: udf.keys {missing} are not columns of what "
                                 f"{v.udf.transform} returns ({', '.join(df.columns)})")
         routing.check_tags(df, self.p, vertex, v.udf.transform if v.udf else vertex)
-        targets: list[tuple[str | None, Any]] = []
+        outs = self.p.outputs(vertex)
+        edges = [(e.to, str(DataDir(self.data_dir).stats(self.p.name, vertex, e.to))) for e in outs]
         if v.sink:
-            targets.append((None, self._sink_writer(v, df)))
-        for e in self.p.outputs(vertex):
+            w = self._sink_writer(v, df)
+        else:
+            w = self._edge_writer(v, df, keys, edges)
+        # update: each micro-batch emits the current value of every key it changed (module doc)
+        to = self.p.query_to(vertex)
+        w = w.outputMode("update" if keys else "append")
+        w = w.option("checkpointLocation", self.checkpoint(vertex, to))
+        w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
+        w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.trigger_interval(v))
+        run.queries.append(RunningQuery(vertex, to, w.start(), inputs, edges=edges, writer=w))
+        run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
+                                   pid=os.getpid())
+        self.runs[vertex] = run
+        return run
+
+    def _edge_writer(self, v: Vertex, df, keys: list[str] | None, edges: list[tuple[str, str]]):
+        """The writer of every out edge of ``v`` in one pass (the jetstream writer's fan-out; an
+        update step publishes through ``foreachBatch``): each row goes to the partition its edge's
+        ``partitionKey`` (or the update keys) hashes to, on each edge whose conditions it matches."""
+        parts, targets = [], []
+        for e, (_, stats) in zip(self.p.outputs(v.name), edges, strict=True):
             to = self.p.vertex(e.to)
             n = to.partitions
             if e.partitionKey and n > 1:
@@ -298,33 +325,22 @@ class PipelineRunner:
                 part = F.pmod(F.xxhash64(*[F.col(k) for k in keys]), F.lit(n))
             else:
                 part = F.lit(0)
-            out = routing.edge_output(df, self.p, vertex, e).withColumn(PARTITION_COLUMN, part.cast("int"))
+            parts.append(part)
             limits = to.effective_limits(self.p.spec.limits)
-            stats = str(DataDir(self.data_dir).stats(self.p.name, vertex, e.to))
-            opts = {"settings": self.settings_json, "pipeline": self.p.name, "step": vertex, "to": e.to,
-                    "partitions": str(n), "maxPayload": str(self.max_payload),
-                    "bufferMaxLength": str(limits.bufferMaxLength),
-                    "bufferUsageLimit": str(limits.bufferUsageLimit), "onFull": v.onFull.value,
-                    "statsDir": stats}
-            if keys:
-                epoch = checkpoint_epoch(self.data_dir, self.p.name)
-                w = out.writeStream.foreachBatch(UpdatePublisher(opts, epoch))
-            else:
-                w = out.writeStream.format("jetstream").options(**opts)
-            targets.append((e.to, w))
-        for to, w in targets:
-            # update: each micro-batch emits the current value of every key it changed (module doc)
-            w = w.outputMode("update" if keys else "append")
-            w = w.option("checkpointLocation", self.checkpoint(vertex, to))
-            w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
-            w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.trigger_interval(v))
-            q = w.start()
-            stats_dir = None if to is None else str(DataDir(self.data_dir).stats(self.p.name, vertex, to))
-            run.queries.append(RunningQuery(vertex, to, q, inputs, stats_dir=stats_dir, writer=w))
-        run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
-                                   pid=os.getpid())
-        self.runs[vertex] = run
-        return run
+            targets.append({"to": e.to, "partitions": str(n), "bufferMaxLength": str(limits.bufferMaxLength),
+                            "bufferUsageLimit": str(limits.bufferUsageLimit), "statsDir": stats})
+        if not targets:
+            raise StepError(f"step {v.name!r} has no out edge and is not a sink: nothing would read what it makes")
+        out = routing.routed(df, self.p, v.name, parts)
+        opts = {"settings": self.settings_json, "pipeline": self.p.name, "step": v.name,
+                "maxPayload": str(self.max_payload), "onFull": v.onFull.value}
+        if len(targets) == 1:
+            opts.update(targets[0])
+        else:
+            opts["targets"] = json.dumps(targets)
+        if keys:
+            return out.writeStream.foreachBatch(UpdatePublisher(opts, checkpoint_epoch(self.data_dir, self.p.name)))
+        return out.writeStream.format("jetstream").options(**opts)
 
     def _sink_writer(self, v: Vertex, df):
         """The ``foreachBatch`` writer of sink ``v`` (Delta: :mod:`isbflow.steps.delta_sink`, PostgreSQL:
@@ -363,7 +379,7 @@ class PipelineRunner:
                 for s, seq in committed.items():
                     self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
         status.dlq_total = self._dlq_total(run)
-        status.unrouted_total = routing.unrouted_total([rq.stats_dir for rq in run.queries])
+        status.unrouted_total = routing.unrouted_total([d for rq in run.queries for _, d in rq.edges])
         sink_policy.fold_status(status, self.sink_policies.get(run.vertex))
         status.lag = self._lag(run, committed)
 
@@ -371,10 +387,11 @@ class PipelineRunner:
         """Records the step's writer dead-lettered plus input frames its reader dead-lettered."""
         total = 0
         for rq in run.queries:
-            if rq.stats_dir and Path(rq.stats_dir).exists():
-                # one small file, however many batches ran (the writer keeps the running totals)
-                total += int(read_write_totals(rq.stats_dir).get("dead_lettered") or 0)
-                break  # every output query sees the same input rows: count one
+            if rq.edges and Path(rq.edges[0][1]).exists():
+                # one small file, however many batches ran (the writer keeps the running totals);
+                # the writer counts a row's dead letter once, in its first edge's stats
+                total += int(read_write_totals(rq.edges[0][1]).get("dead_lettered") or 0)
+                break
         if run.vertex in self.sink_policies:  # rows the sink refused, dead-lettered
             total += self.sink_policies[run.vertex].totals.dead_lettered
         if not self.p.vertex(run.vertex).source:  # frames in: unreadable ones are counted in the status KV
@@ -408,7 +425,7 @@ class PipelineRunner:
             run.status.restarts += 1
         wait = policy.wait_before(rq.restarts)
         log.warning("step %s: query %s failed transiently (%s); restart %d of %d from its checkpoint in %.0fs",
-                    run.vertex, rq.to or "sink", text.splitlines()[0][:200], rq.restarts, policy.max_restarts, wait)
+                    run.vertex, rq.to or run.vertex, text.splitlines()[0][:200], rq.restarts, policy.max_restarts, wait)
         time.sleep(wait)
         rq.query = rq.writer.start()
         return True

@@ -52,7 +52,8 @@ def _publish_task(writer, batch_id: int, batches: Iterator[pa.RecordBatch]) -> I
     """Executor (``mapInArrow``): publish this task's rows, yield the pickled report as one row."""
     ctx = TaskContext.get()
     task = ctx.partitionId() if ctx else 0
-    report = JetStreamStreamWriter(writer.options, task_identity=lambda: (batch_id, task)).write(batches)
+    report = JetStreamStreamWriter(writer.options, task_identity=lambda: (batch_id, task),
+                                    targets=writer.targets).write(batches)
     yield pa.RecordBatch.from_pydict({"report": [pickle.dumps(report)]},
                                      schema=pa.schema([("report", pa.binary())]))
 

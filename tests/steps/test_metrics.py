@@ -43,7 +43,8 @@ def _run(vertex: str, queries: list, status: StepStatus) -> SimpleNamespace:
 
 
 def _query(to: str | None, progress: list[dict], stats_dir: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(to=to, stats_dir=stats_dir, query=SimpleNamespace(recentProgress=progress))
+    edges = [] if to is None else [(to, stats_dir)]
+    return SimpleNamespace(to=to, edges=edges, query=SimpleNamespace(recentProgress=progress))
 
 
 def value(m: PipelineMetrics, name: str, **labels: str) -> float | None:
