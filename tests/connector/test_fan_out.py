@@ -9,8 +9,18 @@ import pyarrow as pa
 import pytest
 from nats.js.api import StreamConfig
 
-from isbflow.connector.write_options import ERROR_COLUMN, UNROUTED_COLUMN, FanOutReport, target_column
-from isbflow.connector.writer import JetStreamStreamWriter, WriterOptions, read_write_totals, stream_writer
+from isbflow.connector.write_options import (
+    ERROR_COLUMN,
+    UNROUTED_COLUMN,
+    FanOutReport,
+    target_column,
+)
+from isbflow.connector.writer import (
+    JetStreamStreamWriter,
+    WriterOptions,
+    read_write_totals,
+    stream_writer,
+)
 from isbflow.isb import dlq, naming
 from isbflow.isb.connect import connect, settings_to_json
 from isbflow.isb.errors import ConnectorOptionError
