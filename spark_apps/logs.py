@@ -1,4 +1,4 @@
-"""The demo's transforms (pipelines/logs.yaml): log events -> parsed -> enriched -> per-minute stats.
+"""The demo's transforms (pipelines/logs.yaml): log events -> parsed -> enriched (tagged) -> per-minute stats.
 
 User code: each function takes and returns Spark DataFrames and knows nothing
 of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
@@ -8,7 +8,10 @@ of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
   lower case) and ``level`` (trimmed, upper case, ``WARNING`` -> ``WARN``) and
   adds ``is_error`` (``status >= 500`` or level ``ERROR``).
 - :func:`enrich`: joins the reference table ``services`` (``service`` -> ``team``,
-  ``tier``) on ``service``; a service missing from it gets team ``unknown``.
+  ``tier``) on ``service``; a service missing from it gets team ``unknown``. It
+  tags each event for routing (``_tags``, Numaflow's message tags): ``error`` on
+  ``ERROR``-level events, which the spec's edge ``enrich -> errors`` takes
+  (``conditions.tags``); ``_tags`` never leaves the step.
 - :func:`per_minute`: 1-minute event-time tumbling windows per service, with a
   2-minute watermark: ``window_start, window_end, service, count, errors,
   latency_avg, latency_p95``. The spec runs it with ``output: update`` and
@@ -24,6 +27,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 UNKNOWN_TEAM = "unknown"
+#: the tag :func:`enrich` gives ERROR-level events (the demo's ``errors`` sink takes them)
+ERROR_TAG = "error"
 WATERMARK = "2 minutes"
 WINDOW = "1 minute"
 
@@ -44,7 +49,9 @@ def enrich(df: DataFrame, services: DataFrame) -> DataFrame:
         ref = ref.withColumn("team", F.lit(None).cast("string"))
     ref = ref.select("service", *[c for c in ref.columns if c != "service"])
     return (df.join(F.broadcast(ref), on="service", how="left")
-            .withColumn("team", F.coalesce(F.col("team"), F.lit(UNKNOWN_TEAM))))
+            .withColumn("team", F.coalesce(F.col("team"), F.lit(UNKNOWN_TEAM)))
+            .withColumn("_tags", F.when(F.col("level") == "ERROR", F.array(F.lit(ERROR_TAG)))
+                        .otherwise(F.array().cast("array<string>"))))
 
 
 def per_minute(df: DataFrame) -> DataFrame:

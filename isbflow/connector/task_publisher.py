@@ -45,7 +45,10 @@ from isbflow.isb import naming
 from isbflow.isb.connect import connect
 from isbflow.isb.dlq import DeadLetter, publish_dead_letters
 from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS, Frame, frame_id, split_frames
+from isbflow.isb.ledger import ID_COLUMN
 from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
+from isbflow.isb.ranges import union
+from isbflow.isb.routed import routed_away
 from isbflow.spec.constants import OnFull
 
 if TYPE_CHECKING:
@@ -118,6 +121,8 @@ class TaskPublisher:
         try:
             await self.attach(nc)
             for batch in itertools.chain([first], batches):
+                if self.opts.routed_sinks and UNROUTED_COLUMN in batch.schema.names:  # one conditional edge
+                    self.note_routed(batch, pc.invert(pc.fill_null(batch.column(UNROUTED_COLUMN), False)))
                 await self.feed(await self.screen(batch))
             await self.finish()
         finally:
@@ -139,6 +144,15 @@ class TaskPublisher:
         unrouted = self._count_unrouted(batch)
         batch = await self._dead_letter_errors(batch)
         return self._drop_unrouted(batch, unrouted)
+
+    def note_routed(self, batch: pa.RecordBatch, taken: pa.Array) -> None:
+        """Keep the ``_isb_id`` ranges of the rows this edge does not take (``taken``: per row), for
+        the sinks it gates (``routedSinks``; :mod:`isbflow.isb.routed`)."""
+        idx = batch.schema.get_field_index(ID_COLUMN)
+        if idx >= 0:
+            away = routed_away(batch.column(idx), taken)
+            if away:
+                self.report.routed = union(self.report.routed, away)
 
     async def feed(self, batch: pa.RecordBatch, partitions: pa.Array | None = None) -> None:
         """Route ``batch``'s rows to this edge's partitions (``partitions``: each row's, else the
@@ -425,6 +439,10 @@ class FanOutPublisher:
                 for pub in self.pubs:
                     await pub.attach(nc)
                 for batch in itertools.chain([first], batches):
+                    self._check(batch)
+                    for pub, name in zip(self.pubs, self.columns, strict=True):
+                        if pub.opts.routed_sinks:
+                            pub.note_routed(batch, pc.is_valid(batch.column(name)))
                     await self._fan_out(await lead.screen(batch))
                 for pub in self.pubs:
                     await pub.finish()
@@ -432,14 +450,16 @@ class FanOutPublisher:
                 await nc.close()
         return FanOutReport([pub.report for pub in self.pubs])
 
-    async def _fan_out(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows == 0:
-            return
+    def _check(self, batch: pa.RecordBatch) -> None:
         missing = [c for c in self.columns if c not in batch.schema.names]
         if missing:
             raise InvalidPartitionColumn(f"step {self.pubs[0].opts.step}: a fan-out writer of "
                                          f"{len(self.pubs)} edges needs the columns {', '.join(self.columns)} "
                                          f"(missing: {', '.join(missing)})")
+
+    async def _fan_out(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
         data = batch.drop_columns(partition_columns(batch.schema.names))
         for pub, name in zip(self.pubs, self.columns, strict=True):
             col = batch.column(name)

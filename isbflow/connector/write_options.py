@@ -38,7 +38,7 @@ UNROUTED_COLUMN = "_isb_unrouted"
 #: takes it in ``_isb_partition_<i>`` (null: edge ``i`` does not take the row).
 TARGETS_OPTION = "targets"
 #: Per-edge options a ``targets`` entry may set; the rest are the writer's, shared by every edge.
-TARGET_KEYS = ("to", "partitions", "bufferMaxLength", "bufferUsageLimit", "statsDir", "committedKey")
+TARGET_KEYS = ("to", "partitions", "bufferMaxLength", "bufferUsageLimit", "statsDir", "committedKey", "routedSinks")
 
 
 def target_column(i: int) -> str:
@@ -115,6 +115,8 @@ class WriterOptions:
     stats_dir: str | None = None
     stats_keep: int = DEFAULT_STATS_KEEP
     window: int = DEFAULT_WINDOW
+    #: sinks this edge gates (:mod:`isbflow.isb.routed`): the ids of rows it does not take are recorded
+    routed_sinks: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriterOptions:
@@ -160,6 +162,7 @@ class WriterOptions:
             stats_dir=str(options.get("statsDir") or "").strip() or None,
             stats_keep=int_option(options, "statsKeep", DEFAULT_STATS_KEEP),
             window=int_option(options, "publishWindow", DEFAULT_WINDOW),
+            routed_sinks=tuple(x.strip() for x in str(options.get("routedSinks") or "").split(",") if x.strip()),
         )
 
     @classmethod
@@ -233,6 +236,8 @@ class JetStreamWriteReport(WriterCommitMessage):
     task: int
     partitions: dict[int, dict[str, int]] = field(default_factory=dict)
     blocked_seconds: float = 0.0
+    #: source partition -> ranges of ``_isb_id`` the edge did not take (``routedSinks`` only)
+    routed: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def count(self, partition: int, name: str, n: int = 1) -> None:
         counts = self.partitions.setdefault(partition, dict.fromkeys(_COUNTS, 0))

@@ -24,6 +24,9 @@ Contract of :meth:`JetStreamStreamWriter.write` (runs in an executor task):
   its own frames, ids, full-buffer handling and stats (``statsDir``); rows are screened once
   (dead letters and unrouted rows are counted in the first edge's stats), and a task holds one
   connection for all edges.
+- **Routed away.** An edge with ``routedSinks`` (the sinks it gates, comma-separated) has its
+  tasks keep the ``_isb_id`` ranges of the rows it does not take, and the commit adds them to
+  the offset ledger as routed away from those sinks (:mod:`isbflow.isb.routed`).
 - **Unrouted records.** A row whose ``_isb_unrouted`` column is true matched no
   out edge's ``conditions`` (:mod:`isbflow.steps.routing` marks them): it is not
   published, it is counted as ``unrouted``, and, when its ``_isb_error`` is set
@@ -173,6 +176,13 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
             if opts.stats_dir and not record_write_stats(opts.stats_dir, stats, opts.stats_keep):
                 log.info("jetstream writer %s -> %s batch %s committed again: already in the totals, not "
                          "counted twice", opts.step, opts.to, batchId)
+            routed = [r.routed for r in reports if r is not None and r.routed]
+            if opts.routed_sinks and routed:
+                # lazy: only a step whose edge gates a sink records (isb.routed); most commits never do
+                from isbflow.isb.ranges import union
+                from isbflow.isb.routed import record_routed_sync
+
+                record_routed_sync(opts.settings, opts.pipeline, opts.routed_sinks, union(*routed))
 
     def abort(self, messages: list, batchId: int) -> None:  # noqa: N803
         """Driver: a task failed. Frames already published stay; the retried batch republishes

@@ -17,11 +17,13 @@ after the Delta commit:
   rewritten whole by each commit.
 
 **A compacted, bounded entry.** Ranges are merged, so an entry holds one range
-per gap. Gaps that can never fill (dead letters) would make it grow without
-bound on a long run, so once an entry has more than :data:`FOLD_AT` ranges (and
-twice as many as after its last fold, so the dead-letter buffer is read rarely)
-:func:`record` folds the dead-lettered offsets inside its span into its ranges
-(:func:`fold_dead`) and counts them in ``dead``. Every reader already counts
+per gap. Gaps that can never fill (dead letters, and
+offsets a conditional edge routed elsewhere, :mod:`isbflow.isb.routed`) would make
+it grow without bound on a long run, so once an entry has more than :data:`FOLD_AT`
+ranges (and twice as many as after its last fold, so the dead-letter buffer is
+read rarely) :func:`record` folds the dead-lettered and the routed-away offsets
+inside its span into its ranges (:func:`fold_dead`) and counts them in ``dead``
+and ``routed``. Every reader already counts
 dead letters as committed (:func:`low_offsets`; quality subtracts them from what
 a sink must hold), so the folded form answers them the same. What stays is one
 range per *open* gap (records in flight) or gap that is not a dead letter (a
@@ -44,7 +46,9 @@ ledger behind the table, never ahead of it, so recovery replays too much
 
 Ranges have holes where records never reach the sink: dead letters (their
 ``origin`` id is in the dead-letter buffer, :func:`low_offsets` counts them as
-done), records a transform filters out, and records still in flight. The low
+done), records a conditional edge routed elsewhere (recorded beside the sink's
+entry when the edge gates it, :mod:`isbflow.isb.routed`; recovery counts them as
+held), records a transform filters out, and records still in flight. The low
 offset of a source partition is the first sequence no hole-free prefix of every
 ``_isb_id`` sink covers: everything below it is in every such sink. A filtering
 transform keeps the low offset at its first dropped record: recovery then
@@ -76,6 +80,7 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
     PartitionRanges,
     Ranges,
     count,
+    difference,
     first_gap,
     id_ranges,
     is_partition,
@@ -170,6 +175,21 @@ def ledger_key(sink: str, partition: str) -> str:
     return f"sink.{sink}.{source}.{index}"
 
 
+def routed_key(sink: str, partition: str) -> str:
+    """``routed.<sink>.<source>.<partition>``: offsets routed away from ``sink`` (:mod:`isbflow.isb.routed`)."""
+    source, _, index = partition.rpartition("/")
+    return f"routed.{sink}.{source}.{index}"
+
+
+async def entry_ranges(kv, key: str) -> Ranges:
+    """The ``ranges`` of a ledger KV entry (``[]`` when it is missing)."""
+    try:
+        entry = await kv.get(key)
+    except (KeyNotFoundError, NotFoundError):
+        return []
+    return normalize(json.loads(entry.value or b"{}").get("ranges", []))
+
+
 def fold_dead(ranges: Ranges, dead: Ranges) -> tuple[Ranges, int]:
     """``ranges`` with the dead-lettered offsets inside their span filled in, and how many were
     filled (both sorted and merged; one sweep). Pure."""
@@ -199,14 +219,16 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
         except (KeyNotFoundError, NotFoundError):
             held = {}
         merged = normalize([*held.get("ranges", []), *rs])
-        folded, kept = int(held.get("dead", 0)), int(held.get("kept", 0))
+        folded, kept, routed = int(held.get("dead", 0)), int(held.get("kept", 0)), int(held.get("routed", 0))
         if len(merged) > max(FOLD_AT, 2 * kept):
             if dead is None:
                 dead = dead_letter_ranges(await dead_letter_origins(nc, pipeline))
             merged, n = fold_dead(merged, dead.get(part, []))
-            folded, kept = folded + n, len(merged)
-        value = json.dumps({"ranges": merged, "dead": folded, "kept": kept, "updated": time.time()},
-                           separators=(",", ":")).encode()
+            # offsets a conditional edge routed elsewhere never reach the sink either (isb.routed)
+            merged, r = fold_dead(merged, await entry_ranges(kv, routed_key(sink, part)))
+            folded, kept, routed = folded + n, len(merged), routed + r
+        value = json.dumps({"ranges": merged, "dead": folded, "kept": kept, "updated": time.time(),
+                            **({"routed": routed} if routed else {})}, separators=(",", ":")).encode()
         if len(value) > limit:
             raise LedgerFull(key, len(value), limit, len(merged))
         try:
@@ -282,24 +304,6 @@ def low_offsets(sinks: Mapping[str, PartitionRanges], partitions: Iterable[str],
 
 
 # ------------------------------------------------------------------ what a sink must hold
-
-
-def difference(a: Ranges, b: Ranges) -> Ranges:
-    """The sequences of ``a`` that ``b`` does not cover (both sorted and merged): one sweep."""
-    out: Ranges = []
-    j = 0
-    for lo, hi in a:
-        while j < len(b) and b[j][1] < lo:
-            j += 1
-        k, start = j, lo
-        while k < len(b) and b[k][0] <= hi:
-            if b[k][0] > start:
-                out.append([start, b[k][0] - 1])
-            start = max(start, b[k][1] + 1)
-            k += 1
-        if start <= hi:
-            out.append([start, hi])
-    return out
 
 
 def first_of(ranges: Ranges, n: int) -> list[int]:

@@ -80,6 +80,24 @@ def overlaps(a: Ranges, b: Ranges) -> bool:
     return False
 
 
+def difference(a: Ranges, b: Ranges) -> Ranges:
+    """The sequences of ``a`` that ``b`` does not cover (both sorted and merged): one sweep."""
+    out: Ranges = []
+    j = 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] < lo:
+            j += 1
+        k, start = j, lo
+        while k < len(b) and b[k][0] <= hi:
+            if b[k][0] > start:
+                out.append([start, b[k][0] - 1])
+            start = max(start, b[k][1] + 1)
+            k += 1
+        if start <= hi:
+            out.append([start, hi])
+    return out
+
+
 def first_gap(ranges: Ranges, start: int = 1) -> int:
     """The first sequence >= ``start`` that ``ranges`` do not cover."""
     nxt = start

@@ -31,6 +31,7 @@ from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss
 from isbflow.isb.read import stream_state
+from isbflow.isb.routed import read_covered
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.job import region_of, running_steps
 from isbflow.spec import Specs
@@ -214,7 +215,7 @@ async def _read_state(nc, settings: NatsSettings, p: Pipeline, plan: RecoveryPla
         stream = naming.source_stream(p, src)
         sst = await stream_state(nc, stream)
         streams[f"{src}/0"] = (stream, max(1, sst.first_seq) if sst else 1, sst.last_seq if sst else 0)
-    return _LedgerState(await ledger.read(nc, p.name), dead, streams)
+    return _LedgerState(await read_covered(nc, p.name), dead, streams)  # routed elsewhere counts as held
 
 
 def _low_offsets(plan: RecoveryPlan, state: _LedgerState, paths: dict[str, str | None],

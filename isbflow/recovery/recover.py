@@ -84,6 +84,7 @@ from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.ranges import intersect
 from isbflow.isb.read import stream_state
+from isbflow.isb.routed import read_covered
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
@@ -340,7 +341,7 @@ class _Recovery:
                     self.other_sinks[v] = dimension_columns(schema)
         finally:
             runner0.close()
-        kv_ledger = job.run(ledger.read(job.nc, p.name))
+        kv_ledger = job.run(read_covered(job.nc, p.name))  # offsets routed elsewhere count as held
         held = {v: ledger.union(kv_ledger.get(v, {}), pg_sinks.held(self.pg[v]) if v in self.pg
                                 else ledger.from_delta_history(self.paths[v]))
                 for v in self.id_sinks}

@@ -471,6 +471,21 @@ class Pipeline(SpecModel):
         upstream = self.ancestors(name) | {name}
         return any(e.conditions is not None and e.to in upstream for e in self.spec.edges)
 
+    def gate(self, name: str) -> Edge | None:
+        """The edge with ``conditions`` every path to ``name`` passes through, when it is the only
+        such edge on any path to ``name``: what it does not take never reaches ``name`` (the offset
+        ledger records those offsets as routed away, :mod:`isbflow.isb.routed`). None otherwise."""
+        upstream = self.ancestors(name) | {name}
+        conditional = [e for e in self.spec.edges if e.conditions is not None and e.to in upstream]
+        if len(conditional) != 1:
+            return None
+        gate = conditional[0]
+        def around(n: str) -> list[str]:
+            return [e.to for e in self.outputs(n) if e is not gate]
+
+        sources = [v.name for v in self.spec.vertices if not self.inputs(v.name)]
+        return None if any(name in graph.reach(s, around) for s in sources) else gate
+
     def topological_order(self) -> list[str]:
         """Vertex names, every vertex after all its inputs (the spec has no cycle)."""
         return graph.topological_order([v.name for v in self.spec.vertices],

@@ -329,6 +329,9 @@ class PipelineRunner:
             limits = to.effective_limits(self.p.spec.limits)
             targets.append({"to": e.to, "partitions": str(n), "bufferMaxLength": str(limits.bufferMaxLength),
                             "bufferUsageLimit": str(limits.bufferUsageLimit), "statsDir": stats})
+            gated = [s.name for s in self.p.spec.vertices if s.sink is not None and self.p.gate(s.name) is e]
+            if gated:  # the offsets this edge routes elsewhere, recorded for the sinks behind it (isb.routed)
+                targets[-1]["routedSinks"] = ",".join(gated)
         if not targets:
             raise StepError(f"step {v.name!r} has no out edge and is not a sink: nothing would read what it makes")
         out = routing.routed(df, self.p, v.name, parts)

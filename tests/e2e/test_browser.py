@@ -39,7 +39,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
 SPEC = ROOT / "pipelines" / "logs.yaml"
 PIPELINE = "logs"
-STEPS = ["in", "parse", "enrich", "minutely", "raw", "agg"]
+STEPS = ["in", "parse", "enrich", "minutely", "raw", "agg", "errors"]
 UI_TIMEOUT_MS = 60_000
 
 

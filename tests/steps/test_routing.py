@@ -135,6 +135,24 @@ def sink_rows(data_dir, sink: str) -> tuple[list[int], list[str]]:
     return table.column("n").to_pylist(), table.column_names
 
 
+def ledger_lows(settings, p) -> tuple[dict[str, int], dict[str, int]]:
+    """Per sink, the first offset its own ledger entry lacks, and the first its entry with the
+    offsets routed away from it lacks (the source stream holds record n at sequence n + 1)."""
+    from isbflow.isb import ledger
+    from isbflow.isb.routed import read_covered
+
+    async def go():
+        nc = await connect(settings)
+        try:
+            return await ledger.read(nc, p.name), await read_covered(nc, p.name)
+        finally:
+            await nc.close()
+
+    own, covered = asyncio.run(go())
+    return tuple({s: ledger.low_offsets({s: held.get(s, {})}, ["in/0"])["in/0"].low for s in EDGES}
+                 for held in (own, covered))
+
+
 def test_the_rules_of_the_fixture_leave_records_unrouted():
     """The scenario exercises every case: each sink gets some records, some get none, one gets two."""
     per_sink, unrouted = expected()
@@ -156,6 +174,11 @@ def test_tags_route_records_and_unrouted_ones_are_dropped_and_counted(spark, nat
     assert out["tag"].unrouted_total == len(unrouted)
     assert out["tag"].dlq_total == 0 and asyncio.run(read_dead_letters(settings, p.name, "tag")) == []
     assert out["in"].unrouted_total == 0
+    # each sink's edge is its gate: the offsets it did not take are in the ledger as routed away, so
+    # every sink's ledger covers every record (recovery would not replay from each sink's first hole)
+    own, covered = ledger_lows(settings, p)
+    assert covered == dict.fromkeys(EDGES, COUNT + 1)
+    assert own == {s: min(n for n in range(COUNT) if n not in want) + 1 for s, want in per_sink.items()}
 
     # the count is in the step's heartbeat: `pipeline status --json` shows it
     from isbflow.cli import app
@@ -170,6 +193,7 @@ def test_tags_route_records_and_unrouted_ones_are_dropped_and_counted(spark, nat
     again = run(spark, specs, p, settings, tmp_path)
     more = {n for n in range(COUNT, 2 * COUNT) if not any(takes(op, vs, tags_of(n)) for op, vs in EDGES.values())}
     assert again["tag"].unrouted_total == len(unrouted) + len(more)
+    assert ledger_lows(settings, p)[1] == dict.fromkeys(EDGES, 2 * COUNT + 1)
 
 
 def test_unrouted_records_go_to_the_dead_letter_buffer_when_asked(spark, nats_server, tmp_path):

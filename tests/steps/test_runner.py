@@ -62,6 +62,37 @@ def check_sinks(data_dir, settings, p, expected_ids):
     return raw, letters
 
 
+def check_errors_sink(data_dir, raw):
+    """The errors sink (edge ``enrich -> errors`` with ``conditions.tags``) holds exactly the raw
+    sink's ERROR-level events, once each, as the raw sink has them (no ``_tags``)."""
+    errors = DeltaTable(str(data_dir / "sinks/logs/errors")).to_pyarrow_table()
+    ids = errors.column("_isb_id").to_pylist()
+    assert len(ids) == len(set(ids)), "duplicate _isb_id in the errors sink"
+    want = {r["_isb_id"] for r in raw.select(["_isb_id", "level"]).to_pylist() if r["level"] == "ERROR"}
+    assert want and set(ids) == want
+    assert errors.schema.names == raw.schema.names
+
+
+def covered_low(settings, p, dead_count):
+    """Per sink, the first source offset its ledger does not cover (its own ranges, the offsets
+    routed away from it, the dead letters)."""
+    from isbflow.isb import ledger
+    from isbflow.isb.routed import read_covered
+
+    async def go():
+        nc = await connect(settings)
+        try:
+            return await read_covered(nc, p.name)
+        finally:
+            await nc.close()
+
+    letters = asyncio.run(read_dead_letters(settings, p.name, "in"))
+    assert len(letters) == dead_count
+    dead = ledger.dead_letter_ranges(dl["origin"] for dl in letters)
+    covered = asyncio.run(go())
+    return ledger.low_offsets({s: covered[s] for s in ("raw", "errors")}, ["in/0"], dead=dead)["in/0"].per_sink
+
+
 def batch_windows(spark, data_dir, exclude=frozenset()):
     """per_minute over the raw sink's rows in batch (no watermark), minus the ``exclude`` ids."""
     raw, _, _ = read_version(spark, str(data_dir / "sinks/logs/raw"))
@@ -106,9 +137,13 @@ def test_available_now_end_to_end(spark, demo):
         out = runner.run_available_now()
     finally:
         runner.close()
-    assert [out[v].state for v in p.topological_order()] == [Observed.STOPPED] * 6
+    assert [out[v].state for v in p.topological_order()] == [Observed.STOPPED] * 7
     raw, letters = check_sinks(data_dir, settings, p, good_ids(0, count))
+    check_errors_sink(data_dir, raw)
     malformed = count // MALFORMED_EVERY
+    # the offsets routed away from the errors sink fill its ledger: recovery's low offset is past
+    # everything, as for the raw sink (not at the first event that is not an error)
+    assert covered_low(settings, p, malformed) == {"raw": count + 1, "errors": count + 1}
     assert len(letters) == malformed
     assert all("malformed" in dl["reason"] and dl["step"] == "in" for dl in letters)
     assert out["in"].dlq_total == malformed
@@ -194,8 +229,13 @@ def test_continuous_then_drain_processes_everything_once(spark, demo):
     # the runner's processing_time overrode the spec's readTimeout for every query
     intervals = [rq.query._jsq.streamingQuery().trigger().intervalMs() for run in runner.runs.values()
                  for rq in run.queries]
+    # one query per vertex: enrich writes raw, minutely and errors in one pass
     assert len(intervals) == 7 and set(intervals) == {500}, intervals
-    check_sinks(data_dir, settings, p, good_ids(0, 5000))
+    assert sorted(rq.query.name for run in runner.runs.values() for rq in run.queries) == [
+        "logs.agg", "logs.enrich", "logs.errors", "logs.in.to.parse", "logs.minutely.to.agg",
+        "logs.parse.to.enrich", "logs.raw"]
+    raw, _ = check_sinks(data_dir, settings, p, good_ids(0, 5000))
+    check_errors_sink(data_dir, raw)
     # 50 s of event time: the watermark closes no window, yet every window is in the agg sink
     assert_has_open_windows(check_agg_is_batch_recount(spark, data_dir))
 
