@@ -73,6 +73,17 @@ def _offsets_option(options: Mapping[str, str], key: str, words: tuple[str, ...]
         ) from None
 
 
+def _seconds(options: Mapping[str, str], key: str) -> float:
+    raw = str(options.get(key) or "0").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise ConnectorOptionError(f"option '{key}': expected seconds between 0 and 3600, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ReaderOptions:
     """Typed reader options; see :mod:`isbflow.connector.reader` for their meaning."""
@@ -93,6 +104,11 @@ class ReaderOptions:
     #: froze in the pipeline's status KV (``drain.<vertex>``; see isbflow.isb.state)
     drain_pipeline: str | None = None
     drain_vertex: str | None = None
+    #: seconds a trigger that finds nothing new waits for its streams to grow (0: it does not
+    #: wait); never under availableNow or while draining (isbflow.isb.wait)
+    idle_wait: float = 0.0
+    #: a file whose presence means "do not wait" (the runner creates it before stopping a step)
+    no_wait_file: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -122,6 +138,8 @@ class ReaderOptions:
             partition_msgs=int_option(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
             drain_pipeline=(options.get("pipeline") or None),
             drain_vertex=(options.get("vertex") or None),
+            idle_wait=_seconds(options, "idleWait"),
+            no_wait_file=(str(options.get("noWaitFile") or "").strip() or None),
         )
 
     def max_messages(self, max_rows: int) -> int:

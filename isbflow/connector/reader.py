@@ -28,6 +28,11 @@ Options (strings, see :class:`isbflow.connector.options.ReaderOptions`):
 - ``onBufferLoss``: ``fail`` (default) or ``replay``;
 - ``maxMessagesPerPartition``: messages per Spark task (default 100 frames or
   50000 events);
+- ``idleWait`` (seconds, default 0): a streaming trigger that finds nothing new
+  waits this long for a stream to grow and then reads at once (event-driven steps,
+  :mod:`isbflow.isb.wait`; ``Limits`` streams only, never under availableNow or
+  while draining); ``noWaitFile``: while this file exists it does not wait (the
+  runner creates it before it drains or stops the step);
 - batch reads (``spark.read``) only: ``endingOffsets`` (``latest`` or JSON).
 
 Memory per task is bounded in bytes, not only in messages: the range read holds at
@@ -66,6 +71,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -109,11 +116,15 @@ from isbflow.isb.read import (
     stream_state,
 )
 from isbflow.isb.state import get_drain_point
+from isbflow.isb.wait import wait_for_append
 
 log = logging.getLogger(__name__)
 
 #: Bytes of a bad frame's payload kept in its dead letter (enough to see what it was).
 BAD_FRAME_PREFIX = 1024
+#: seconds a trigger that waited for new data lingers before reading, so the rest of the upstream
+#: micro-batch's frames (its other tasks and partitions) come in the same batch
+LINGER = 0.1
 
 
 class JetStreamPartition(InputPartition):
@@ -138,6 +149,15 @@ class _Link(SyncSession):
             return await asyncio.gather(*(stream_state(nc, s) for s in streams))
 
         return dict(zip(streams, self.run(all_states), strict=True))
+
+    def wait_for_append(self, after: dict[str, int], timeout: float, cancelled) -> bool:
+        """:func:`isbflow.isb.wait.wait_for_append` on this connection; True (look again) when
+        the wait itself fails."""
+        try:
+            return self.run(lambda nc: wait_for_append(nc, after, timeout, cancelled))
+        except Exception as e:  # noqa: BLE001 - a wait is an optimisation: the trigger reads as before
+            log.warning("waiting for new data on %s failed (%s); reading on", ", ".join(after), e)
+            return True
 
     def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:
         """The end offsets frozen for a draining step (stream -> last seq), or None."""
@@ -303,8 +323,24 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         admits ``n`` events or ``ceil(n / frameRows)`` frames, shared fairly across
         streams (at least one message for every stream with data); ``ReadAllAvailable``
         admits everything. Under availableNow never past the frozen target. Returns
-        ``start`` unchanged when there is nothing new.
+        ``start`` unchanged when there is nothing new, after waiting up to ``idleWait``
+        seconds for a stream to grow (then it reads at once; :mod:`isbflow.isb.wait`).
         """
+        end, draining = self._latest(start, limit)
+        if end == start and self.opts.idle_wait > 0 and self._target is None and not draining \
+                and not self._told_not_to_wait():
+            after = {s: self._seen[s][1] for s in self.opts.streams if s in self._seen}
+            assert self._link is not None
+            if after and self._link.wait_for_append(after, self.opts.idle_wait, self._told_not_to_wait):
+                time.sleep(LINGER)  # the rest of the upstream batch's frames, so they come in one batch
+                end, _ = self._latest(start, limit)
+        return end
+
+    def _told_not_to_wait(self) -> bool:
+        return self.opts.no_wait_file is not None and os.path.exists(self.opts.no_wait_file)
+
+    def _latest(self, start: dict, limit: ReadLimit) -> tuple[dict, bool]:
+        """:meth:`latestOffset` without waiting; and whether a drain point caps it."""
         begin = off.from_json(start)
         states = self._states()
         drain = None
@@ -347,7 +383,7 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
                 end[s] = so  # unchanged, keys and all, so an idle source returns `start`
             else:
                 end[s] = StreamOffset(base.inc, base.seq + take.get(s, 0), base.rebased_from, base.lost)
-        return off.to_json(end)
+        return off.to_json(end), drain is not None
 
     def _base(self, s: str, st: StreamState | None, so: StreamOffset | None) -> StreamOffset | None:
         """Where stream ``s`` continues from: ``so``, or past a loss (replay) / raise (fail)."""

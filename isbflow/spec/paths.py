@@ -4,10 +4,13 @@ The data dir (``--data-dir``, ``ISBFLOW_DATA_DIR``, default ``.isbflow``)
 holds all a pipeline keeps on disk besides its sinks:
 
     nats/                              the embedded ISB service (config, JetStream store, log)
-    checkpoints/<pipeline>/<query>/    each Spark query's checkpoint (query = vertex or vertex-to-to)
+    checkpoints/<pipeline>/<query>/    each Spark query's checkpoint (query = vertex, or vertex-to-to
+                                       for a vertex with one out edge)
+    checkpoints/<pipeline>/_per-edge-<stamp>/   per-edge checkpoints carried over to one query per vertex
     checkpoints/<pipeline>.epoch       the checkpoint epoch after a recovery
     checkpoints/<pipeline>/_recovered-<stamp>/   checkpoints a recovery moved aside
     stats/<pipeline>/<vertex>-to-<to>/ the writer's per-batch stats
+    run/<pipeline>/<vertex>.nowait     while present, the step's reader does not wait for new data
     launches/                          a launched driver's record (PID, command)
     logs/                              launched drivers' logs
     airflow/                           AIRFLOW_HOME of the local platform
@@ -127,7 +130,13 @@ class DataDir:
     def stats(self, pipeline: str, vertex: str, to: str) -> Path:
         return self.stats_of(pipeline) / query_name(vertex, to)
 
+    def no_wait(self, pipeline: str, vertex: str) -> Path:
+        """While this file exists, step ``vertex``'s reader does not wait for new data (the runner
+        creates it before draining or stopping the step; ``isbflow.isb.wait``)."""
+        return self.root.absolute() / "run" / pipeline / f"{vertex}.nowait"
+
 
 def query_name(vertex: str, to: str | None) -> str:
-    """A step's query: ``vertex`` (a sink) or ``vertex-to-to`` (one out edge)."""
+    """A step's query: ``vertex`` (a sink, or a vertex with several out edges) or ``vertex-to-to``
+    (one out edge)."""
     return vertex if to is None else f"{vertex}-to-{to}"

@@ -110,6 +110,10 @@ log = logging.getLogger(__name__)
 
 PARTITION_COLUMN = "_isb_partition"
 ERROR_COLUMN = "_isb_error"
+#: seconds a continuous step's trigger that finds no new input waits for it (``ISBFLOW_IDLE_WAIT``;
+#: 0: poll each trigger, as before); bounded, as stopping a query waits for a trigger in progress
+#: (the runner tells readers to stop waiting first: :meth:`PipelineRunner.stop_all`)
+IDLE_WAIT = float(os.environ.get("ISBFLOW_IDLE_WAIT", "5"))
 
 
 def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None) -> str:
@@ -126,8 +130,9 @@ class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
                  processing_time: str | None = None, starting_offsets: dict[str, dict] | None = None,
                  sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None,
-                 restarts: RestartPolicy = DEFAULT_RESTARTS):
+                 restarts: RestartPolicy = DEFAULT_RESTARTS, idle_wait: float = IDLE_WAIT):
         self.spark = spark
+        self.idle_wait = idle_wait
         self.restarts = restarts
         self.specs = specs
         self.p = pipeline
@@ -256,7 +261,7 @@ class PipelineRunner:
                 raise StepError(f"step {vertex!r}: transform {v.udf.transform} failed: {e}") from e
         return df
 
-    def _read(self, vertex: str):
+    def _read(self, vertex: str, available_now: bool = False):
         v = self.p.vertex(vertex)
         limits = v.effective_limits(self.p.spec.limits)
         if v.source and v.source.files:
@@ -272,6 +277,11 @@ class PipelineRunner:
              .option("pipeline", self.p.name).option("vertex", vertex))
         if vertex in self.starting_offsets:
             r = r.option("startingOffsets", json.dumps(self.starting_offsets[vertex]))
+        if not available_now and self.idle_wait > 0 and self.retention == "Limits":
+            # event-driven: a trigger that finds nothing new waits for the input to grow (isb.wait)
+            no_wait = DataDir(self.data_dir).no_wait(self.p.name, vertex)
+            no_wait.unlink(missing_ok=True)
+            r = r.option("idleWait", str(self.idle_wait)).option("noWaitFile", str(no_wait))
         if v.source:
             return r.option("mode", "events").option("sourceName", vertex).load()
         return r.option("mode", "frames").schema(self.input_schema(vertex)).load()
@@ -284,7 +294,7 @@ class PipelineRunner:
         carried = fan_out_start(self.data_dir, self.p, vertex)  # per-edge checkpoints of an older isbflow
         if carried and vertex not in self.starting_offsets:
             self.starting_offsets[vertex] = carried
-        df = self.apply_transform(vertex, self._read(vertex))
+        df = self.apply_transform(vertex, self._read(vertex, available_now))
         inputs = self.input_streams(vertex)
         keys = self.update_keys(vertex)
         if keys:
@@ -534,6 +544,7 @@ class PipelineRunner:
             for s in run.queries[0].inputs:
                 state = self.nats.run(stream_state(self.nats.nc, s))
                 point[s] = state.last_seq if state else 0
+            self._no_wait(run.vertex)  # a reader waiting for input would hold the drain up
             run.drain_point, run.draining = point, True
             self.nats.run(st.put_drain_point(self.nats.nc, self.p.name, run.vertex, point))
             status.state = st.Observed.DRAINING
@@ -559,9 +570,17 @@ class PipelineRunner:
             self._heartbeat(run)
             log.info("step %s drained at %s", run.vertex, status.final_offsets)
 
+    def _no_wait(self, vertex: str) -> None:
+        """Tell ``vertex``'s reader to stop waiting for new input (its trigger then ends soon)."""
+        path = DataDir(self.data_dir).no_wait(self.p.name, vertex)
+        DataDir(self.data_dir).make(path.parent)
+        path.touch()
+
     def stop_all(self) -> None:
         for policy in list(self.sink_policies.values()):  # a sink waiting to retry stops waiting
             policy.cancel()
+        for vertex in list(self.runs):  # stopping a query waits for its trigger: end the waits first
+            self._no_wait(vertex)
         # a copy: another thread (a signal's, a test's) may stop the runner while it still starts steps
         for run in list(self.runs.values()):
             for rq in list(run.queries):
