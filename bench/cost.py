@@ -6,7 +6,7 @@
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end) and
 ``pipelines/logs.yaml`` (every step) as a detached driver, launched like ``isbflow pipeline
 start`` (:func:`isbflow.ops.pipeline.start`), with the spec's trigger (``limits.readTimeout``,
-default 1 s) unless ``--trigger`` overrides it. A producer publishes each rate in turn
+default 5 s; the steps after the source are event-driven) unless ``--trigger`` overrides it. A producer publishes each rate in turn
 (ascending; one driver for all rates); per rate, after ``--warmup`` seconds (the first rate:
 after every query has committed a batch and what was produced meanwhile is in the raw sink,
 then the warm-up), a measured window of ``--window``
@@ -265,7 +265,7 @@ def launch_and_wait(args, specs, p, settings, work: Path, trigger: str | None, p
         deadline = time.time() + STARTUP_S
         while time.time() < deadline and record.alive() is not False:
             q = batches_per_query(work, p.name)
-            if len(q) >= len(p.spec.edges) + sum(1 for v in p.spec.vertices if v.sink) and all(q.values()):
+            if len(q) >= len(p.spec.vertices) and all(q.values()):  # one query per vertex
                 return record
             time.sleep(2)
         if record.alive() is not False:  # still running: out of time
@@ -421,7 +421,7 @@ def main() -> None:
     ap.add_argument("--rates", help="events/s, comma-separated (default 100,1000,10000; quick 100)")
     ap.add_argument("--window", type=float, help="measured seconds per rate (default 120; quick 20)")
     ap.add_argument("--warmup", type=float, help="seconds at a rate before its window (default 30; quick 8)")
-    ap.add_argument("--trigger", type=float, help="seconds: override every query's trigger (default: the spec's, 1)")
+    ap.add_argument("--trigger", type=float, help="seconds: override the source steps' trigger (default: the spec's, 5; the others are event-driven)")
     ap.add_argument("--curve", default="", help="trigger intervals in seconds for the curve, e.g. 0.2,1,5")
     ap.add_argument("--curve-rate", type=float, default=100.0)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors")

@@ -44,8 +44,10 @@ MetricsPortOpt = Annotated[int, typer.Option(
          "ISBFLOW_METRICS_HOST). Recorded as a Prometheus file_sd target in <data dir>/metrics/.",
     envvar="ISBFLOW_METRICS_PORT", min=-1, max=65535)]
 ProcessingTimeOpt = Annotated[str | None, typer.Option(
-    help="continuous: the trigger interval of every query, e.g. '200 milliseconds', over the spec's "
-         "limits.readTimeout (default: that, per vertex; 1 second when unset).")]
+    help="continuous: the trigger interval of the source steps (the latency budget: how long events "
+         "gather), e.g. '4 seconds', over the spec's limits.readTimeout (default: that; 5 seconds when unset). "
+         "Steps that read buffers are event-driven: they start a batch when their input grows (unless their "
+         "own readTimeout says otherwise; ISBFLOW_IDLE_WAIT=0 gives every step this interval).")]
 
 
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0,

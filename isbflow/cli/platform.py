@@ -54,8 +54,9 @@ def up(
         platform.DEFAULT_RATE,
     master: Annotated[str, typer.Option(help="Spark master of the pipeline's driver.")] = "local[2]",
     processing_time: Annotated[str | None, typer.Option(
-        help="The trigger interval of every step, e.g. '5 seconds': a longer one costs less CPU per event "
-             "and adds latency per hop (default: the spec's limits.readTimeout, 1 second when unset).")] = None,
+        help="The trigger interval of the source steps, e.g. '4 seconds': the latency budget; a longer one "
+             "costs less CPU per event (the steps after the source are event-driven: they start when their "
+             "input grows). Default: the spec's limits.readTimeout, 5 seconds when unset.")] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Start nats-server, the pipeline with a producer, and Airflow; stay in the foreground.

@@ -115,8 +115,10 @@ class Limits(SpecModel):
     apply ``onFull``. Dumping the model writes percent again, so a dump validates back.
 
     ``readTimeout`` is a step's latency budget, as in Numaflow (how long a read may wait
-    before the batch goes on): here the micro-batch trigger interval of the step's queries,
-    pipeline-wide and overridable per vertex (default 1 s; 10 ms to 1 h).
+    before the batch goes on): here the micro-batch trigger interval of a source step's query,
+    pipeline-wide and overridable per vertex (default 5 s, chosen from the cost curve; Numaflow's
+    is 1 s; 10 ms to 1 h). Steps that read buffers are event-driven in a continuous run (they
+    start when their input grows) unless a vertex sets its own.
     """
 
     readBatchSize: StrictInt | None = Field(default=None, ge=1)

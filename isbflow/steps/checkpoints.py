@@ -11,7 +11,9 @@ position is only its input offsets: when every per-edge checkpoint of the
 vertex has committed the same input offsets (a drained pipeline, or one stopped
 between batches), the new query starts right after them (the reader's
 ``startingOffsets``) and the old checkpoints are moved aside: nothing is read
-twice, nothing skipped. When they differ, or the step keeps state (an
+twice, nothing skipped (an out edge added since has no checkpoint: it gets what
+the step reads from there on, as any edge added to a running step). When they
+differ, or the step keeps state (an
 aggregation's state lives in its checkpoint), starting would drop or double
 records on some edge, so the step refuses to start and names the way out: a
 recovery (``isbflow replay --mode recover``) moves every checkpoint aside and
@@ -60,7 +62,7 @@ def fan_out_start(data_dir: str | Path, p: Pipeline, vertex: str) -> dict[str, d
     ends = {c.name: committed_end(c) for c in old}
     v = p.vertex(vertex)
     stateful = v.udf is not None and v.udf.output == OutputMode.UPDATE
-    agreed = len({json.dumps(e, sort_keys=True) for e in ends.values()}) == 1 and len(old) == len(p.outputs(vertex))
+    agreed = len({json.dumps(e, sort_keys=True) for e in ends.values()}) == 1
     if stateful or not agreed:
         why = ("its state (an aggregation) lives in those checkpoints" if stateful else
                "they stand at different input offsets: " + "; ".join(f"{n} {json.dumps(e)}" for n, e in ends.items()))
@@ -73,6 +75,8 @@ def fan_out_start(data_dir: str | Path, p: Pipeline, vertex: str) -> dict[str, d
     aside.mkdir(parents=True, exist_ok=True)
     for c in old:
         c.rename(aside / c.name)
-    log.warning("step %s: its per-edge checkpoints agree at %s; its one query starts there (old checkpoints in %s)",
-                vertex, json.dumps(start), aside)
+    fresh = [e.to for e in p.outputs(vertex) if dirs.checkpoint(p.name, vertex, e.to).name not in ends]
+    log.warning("step %s: its per-edge checkpoints agree at %s; its one query starts there (old checkpoints in "
+                "%s)%s", vertex, json.dumps(start), aside,
+                f"; edges new since then ({', '.join(fresh)}) get what it reads from there on" if fresh else "")
     return start or None

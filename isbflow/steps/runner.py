@@ -41,6 +41,11 @@ buffers up to it, and writes the step's heartbeat. Triggers:
   and drains a step when told (:mod:`isbflow.steps.drain`): it freezes the
   step's end offsets (the reader never reads past them), waits until they are
   committed, stops the query and reports ``drained`` with its final offsets.
+  Source steps batch every ``limits.readTimeout`` (the latency budget); steps
+  that read buffers are *event-driven* (on ``Limits`` buffers): a trigger that
+  finds nothing new waits for its input to grow (:mod:`isbflow.isb.wait`), so a
+  step starts its batch as soon as the upstream's frames land, and an idle step
+  costs one wait per :data:`IDLE_WAIT` seconds instead of a look per trigger.
 
 Relative sink paths and checkpoints live under the data dir.
 
@@ -75,7 +80,7 @@ from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
 from isbflow.isb.read import stream_state
 from isbflow.isb.release import release
-from isbflow.spec import Specs
+from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
 from isbflow.steps import routing, sink_policy
@@ -114,15 +119,27 @@ ERROR_COLUMN = "_isb_error"
 #: 0: poll each trigger, as before); bounded, as stopping a query waits for a trigger in progress
 #: (the runner tells readers to stop waiting first: :meth:`PipelineRunner.stop_all`)
 IDLE_WAIT = float(os.environ.get("ISBFLOW_IDLE_WAIT", "5"))
+#: the trigger interval of an event-driven step (one that reads buffers, with idle waits): what a
+#: batch waits at most once its input has grown; also what bounds its polling should waits fail
+EVENT_TRIGGER_S = 0.25
 
 
-def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None) -> str:
-    """The micro-batch interval of ``v``'s queries: ``override`` when given (a runner's
-    ``processing_time``, every step alike), else the spec's ``limits.readTimeout`` (the vertex's
-    over the pipeline's, default 1 s)."""
+def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None, event_driven: bool = False) -> str:
+    """The micro-batch interval of ``v``'s query: ``override`` when given (a runner's
+    ``processing_time``), else the spec's ``limits.readTimeout`` (the vertex's over the
+    pipeline's, default :data:`~isbflow.spec.constants.READ_TIMEOUT_S`): the latency budget, how long
+    events gather before a batch.
+
+    ``event_driven`` (a continuous run whose readers wait for their input, :mod:`isbflow.isb.wait`):
+    that budget is spent once, at the source; a step that reads buffers starts a batch as soon
+    as its input grows (:data:`EVENT_TRIGGER_S` apart at most), unless its own ``limits.readTimeout``
+    sets its interval."""
+    if event_driven and not v.source:
+        own = v.limits.readTimeout if v.limits is not None else None
+        return f"{round((own or EVENT_TRIGGER_S) * 1000)} milliseconds"
     if override:
         return override
-    seconds = v.effective_limits(p.spec.limits).readTimeout or 1.0
+    seconds = v.effective_limits(p.spec.limits).readTimeout or constants.READ_TIMEOUT_S
     return f"{round(seconds * 1000)} milliseconds"
 
 
@@ -155,8 +172,13 @@ class PipelineRunner:
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
 
     # ------------------------------------------------------------------ planning
+    @property
+    def event_driven(self) -> bool:
+        """Continuous steps that read buffers wait for their input (:mod:`isbflow.isb.wait`)."""
+        return self.idle_wait > 0 and self.retention == "Limits"
+
     def trigger_interval(self, v: Vertex) -> str:
-        return trigger_interval(self.p, v, self.processing_time)
+        return trigger_interval(self.p, v, self.processing_time, self.event_driven)
 
     def sink_path(self, v: Vertex) -> str:
         assert v.sink is not None
@@ -277,7 +299,7 @@ class PipelineRunner:
              .option("pipeline", self.p.name).option("vertex", vertex))
         if vertex in self.starting_offsets:
             r = r.option("startingOffsets", json.dumps(self.starting_offsets[vertex]))
-        if not available_now and self.idle_wait > 0 and self.retention == "Limits":
+        if not available_now and self.event_driven:
             # event-driven: a trigger that finds nothing new waits for the input to grow (isb.wait)
             no_wait = DataDir(self.data_dir).no_wait(self.p.name, vertex)
             no_wait.unlink(missing_ok=True)

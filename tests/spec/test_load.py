@@ -76,7 +76,7 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
     ("usage-fraction", lambda d: _pl(d)["limits"].update(bufferUsageLimit=0.8),  # isbflow's old unit
      "limits.bufferUsageLimit", ["whole percentage", "got 0.8", "write 80 for 80%"]),
     ("duplicate-vertex", lambda d: _pl(d)["vertices"].append({"name": "parse", "udf": {"transform": "spark_apps.logs:parse"}}),
-     "vertices[6].name", ["duplicate vertex name 'parse'", "vertices[1]"]),
+     "vertices[7].name", ["duplicate vertex name 'parse'", "vertices[1]"]),
     ("unknown-isb-service", lambda d: _pl(d).update(interStepBufferServiceName="fast"),
      "interStepBufferServiceName", ["unknown InterStepBufferService 'fast'", "default"]),
     ("unknown-kind", lambda d: d[1].update(kind="Pipelines"),
@@ -100,21 +100,21 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
     ("name-path", lambda d: _rename(d, "agg", "../x"),
      "vertices[5].name", ["'../x' is not a valid name"]),
     ("name-not-string", lambda d: _pl(d)["vertices"].append({"name": 5, "udf": {"transform": "spark_apps.logs:parse"}}),
-     "vertices[6].name", ["must be a string", "got 5"]),
+     "vertices[7].name", ["must be a string", "got 5"]),
     ("sink-with-output", lambda d: _pl(d)["edges"].append({"from": "raw", "to": "minutely"}),
-     "edges[5].from", ["'raw' is a sink", "no outputs"]),
+     "edges[6].from", ["'raw' is a sink", "no outputs"]),
     ("source-with-input", lambda d: _pl(d)["edges"].append({"from": "parse", "to": "in"}),
-     "edges[5].to", ["'in' is a source", "no inputs"]),
+     "edges[6].to", ["'in' is a source", "no inputs"]),
     ("two-roles", lambda d: _vertex(d, "parse").update(sink={"delta": {"path": "x"}}),
      "vertices[1]", ["exactly one of: source, udf, sink", "'udf' and 'sink'"]),
     ("no-role", lambda d: _vertex(d, "parse").pop("udf"),
      "vertices[1]", ["exactly one of: source, udf, sink", "found none"]),
     ("dangling-vertex", lambda d: _pl(d)["vertices"].append({"name": "lost", "udf": {"transform": "spark_apps.logs:parse"}}),
-     "vertices[6]", ["'lost' has no input and no output edge"]),
+     "vertices[7]", ["'lost' has no input and no output edge"]),
     ("self-edge", lambda d: _pl(d)["edges"].append({"from": "parse", "to": "parse"}),
-     "edges[5]", ["to itself"]),
+     "edges[6]", ["to itself"]),
     ("duplicate-edge", lambda d: _pl(d)["edges"].append({"from": "in", "to": "parse"}),
-     "edges[5]", ["duplicate edge 'in' -> 'parse'"]),
+     "edges[6]", ["duplicate edge 'in' -> 'parse'"]),
     ("python-field-name", lambda d: _pl(d)["edges"][0].update({"from_": "in"}),
      "edges[0].from_", ["unknown field 'from_'", "did you mean 'from'"]),
     ("enum-case", lambda d: _isb(d)["bufferConfig"]["stream"].update(retention="limits"),
@@ -316,7 +316,7 @@ def test_vertex_limits_merge_pipeline_then_vertex(tmp_path):
     p: Pipeline = load_specs(_write(tmp_path / "x.yaml", docs)).only_pipeline()
     lim = p.vertex("parse").effective_limits(p.spec.limits)
     assert (lim.readBatchSize, lim.bufferMaxLength, lim.bufferUsageLimit) == (7, 2_000_000, 0.8)
-    assert lim.readTimeout == 1.0  # the default trigger interval
+    assert lim.readTimeout == 5.0  # the default trigger interval (the cost curve's)
 
     docs[1]["spec"]["limits"]["readTimeout"] = "5s"
     docs[1]["spec"]["vertices"][2]["limits"] = {"readTimeout": "250ms"}
