@@ -143,6 +143,7 @@ class _Link(SyncSession):
 
     def __init__(self, settings: NatsSettings):
         super().__init__(settings, name="isbflow-source")
+        self._warned = -60.0
 
     def states(self, streams: Sequence[str]) -> dict[str, StreamState | None]:
         async def all_states(nc):
@@ -156,7 +157,10 @@ class _Link(SyncSession):
         try:
             return self.run(lambda nc: wait_for_append(nc, after, timeout, cancelled))
         except Exception as e:  # noqa: BLE001 - a wait is an optimisation: the trigger reads as before
-            log.warning("waiting for new data on %s failed (%s); reading on", ", ".join(after), e)
+            now = time.monotonic()
+            if now - self._warned >= 60:  # tried each trigger: say so once a minute
+                self._warned = now
+                log.warning("waiting for new data on %s failed (%s); reading on", ", ".join(after), e)
             return True
 
     def drain_point(self, pipeline: str, vertex: str) -> dict[str, int] | None:

@@ -25,10 +25,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 API = "$JS.API"
+
+
+_warned: dict[str, float] = {}
+
+
+def _warn(key: str, text: str, every: float = 60.0) -> None:
+    """Log ``text`` at most once per ``every`` seconds per ``key`` (a wait is tried each trigger)."""
+    now = time.monotonic()
+    if now - _warned.get(key, -every) >= every:
+        _warned[key] = now
+        log.warning("%s", text)
 
 
 async def wait_for_append(nc, after: Mapping[str, int], timeout: float,
@@ -57,7 +69,8 @@ async def wait_for_append(nc, after: Mapping[str, int], timeout: float,
                                      json.dumps({"stream_name": stream, "config": config}).encode(), timeout=5)
             resp = json.loads(reply.data)
             if resp.get("error"):
-                log.debug("cannot wait on %s: %s", stream, resp["error"])
+                _warn(stream, f"cannot wait for new data on {stream} ({resp['error'].get('description', resp['error'])}); "
+                              "the step looks each trigger instead")
                 return True
             made[stream] = resp["name"]
             await nc.publish(f"{API}.CONSUMER.MSG.NEXT.{stream}.{resp['name']}",

@@ -67,18 +67,32 @@ def step_committed(queries: list[RunningQuery]) -> dict[str, int]:
             if all(s in c for c in per_query)}
 
 
+def _ran(prog: dict | None) -> bool:
+    """A progress report of a micro-batch that ran (an idle trigger reports no ``addBatch``, and the
+    batch id of the batch still to come)."""
+    return bool(prog) and "addBatch" in (prog.get("durationMs") or {})
+
+
 def account_batches(status: st.StepStatus, queries: list[RunningQuery]) -> None:
-    """Fold each query's newest batch (once) into the step's batch id, rates, rows and late count."""
+    """Fold each query's batches since the last call (once each) into the step's batch id, rates,
+    rows and late count. Idle triggers count for nothing: with event-driven steps they are common
+    (a trigger that waited for input in vain), and one carries the id of the next batch."""
     rows = 0
     for rq in queries:
         prog = rq.query.lastProgress
-        if prog and prog["batchId"] != rq.seen_batch:
-            rq.seen_batch = prog["batchId"]
-            status.batch_id = max(status.batch_id, prog["batchId"])
-            status.input_rows_per_s = float(prog.get("inputRowsPerSecond") or 0.0)
-            status.processed_rows_per_s = float(prog.get("processedRowsPerSecond") or 0.0)
-            rows += int(prog.get("numInputRows") or 0)
-            for so in prog.get("stateOperators") or []:
+        if not _ran(prog) or prog["batchId"] == rq.seen_batch:
+            continue
+        new = [prog]
+        if rq.seen_batch >= 0 and prog["batchId"] > rq.seen_batch + 1:  # more than one since the last look
+            new = [p for p in rq.query.recentProgress or []
+                   if _ran(p) and rq.seen_batch < p["batchId"] <= prog["batchId"]] or new
+        rq.seen_batch = prog["batchId"]
+        status.batch_id = max(status.batch_id, prog["batchId"])
+        status.input_rows_per_s = float(prog.get("inputRowsPerSecond") or 0.0)
+        status.processed_rows_per_s = float(prog.get("processedRowsPerSecond") or 0.0)
+        for p in new:
+            rows += int(p.get("numInputRows") or 0)
+            for so in p.get("stateOperators") or []:
                 status.late_total += int(so.get("numRowsDroppedByWatermark") or 0)
     if rows and queries:
         status.rows_total += rows // len(queries)

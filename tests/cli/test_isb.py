@@ -30,7 +30,7 @@ def test_apply_diff_status_delete_round_trip(nats_server, tmp_path):
     first = isb("apply", "-f", f, *url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
-    assert report["changed"] is True and len(report["resources"]) == 12
+    assert report["changed"] is True and len(report["resources"]) == 13
     assert {r["action"] for r in report["resources"]} == {"created"}
 
     in_sync = isb("diff", "-f", f, *url, "--json")
@@ -57,7 +57,7 @@ def test_apply_diff_status_delete_round_trip(nats_server, tmp_path):
 
     deleted = isb("delete", "-f", f, *url, "--yes", "--json")
     assert deleted.returncode == 0, deleted.stderr
-    assert len(json.loads(deleted.stdout)["deleted"]) == 12
+    assert len(json.loads(deleted.stdout)["deleted"]) == 13
     missing = isb("diff", "-f", f, *url, "--json")
     assert missing.returncode == 3
     assert {d["field"] for d in json.loads(missing.stdout)["drift"]} == {"exists"}

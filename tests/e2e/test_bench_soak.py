@@ -33,7 +33,7 @@ def test_quick_soak_reports_every_slope_and_loses_nothing(tmp_path):
             assert isinstance(m["ratio"], (int, float)) and m["ratio"] >= 0, (key, m)
             assert m["flat"] is (m["ratio"] <= 1.1), (key, m)  # the verdict follows from the ratio
     steps = r["run"]["batches_per_step"]
-    assert set(steps) == {"in", "parse", "enrich", "minutely", "raw", "agg"}
+    assert set(steps) == {"in", "parse", "enrich", "minutely", "raw", "agg", "errors"}
     assert all(n > 0 for n in steps.values()), steps
     s = r["sink"]
     assert s["exact"] is True, s

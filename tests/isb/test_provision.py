@@ -31,7 +31,7 @@ def test_desired_resources_cover_the_pipeline(tmp_path):
     edges = [ep.stream for ep in naming.edge_partitions(p)]
     assert names == (["src-logs-in"] + edges + ["isb-logs-dlq", "isbflow-logs-control",
                                                    "isbflow-logs-status", "isbflow-logs-ledger"])
-    assert len(edges) == 2 + 2 + 1 + 1 + 1  # in->parse and parse->enrich have 2 partitions
+    assert len(edges) == 2 + 2 + 1 + 1 + 1 + 1  # in->parse and parse->enrich have 2 partitions
     by = {r.name: r for r in res}
     assert by["src-logs-in"].fields["subjects"] == ["logs.events"]
     assert by["isb-logs-dlq"].fields["subjects"] == ["isb.logs.dlq.>"]
@@ -62,7 +62,7 @@ def test_apply_creates_everything_configured_from_the_spec(nats_server, tmp_path
     report = apply(nats_server.settings, specs)
     assert report.changed
     assert set(actions(report).values()) == {Action.CREATED}
-    assert len(report.resources) == 12
+    assert len(report.resources) == 13
     found = infos(nats_server.settings, specs)
     assert all(found.values()), [n for n, i in found.items() if i is None]
     edge = found["isb-logs-parse-enrich-1"].config

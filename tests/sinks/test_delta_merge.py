@@ -237,9 +237,9 @@ def _add_udf(docs: list[dict]) -> None:
     (lambda d: _minutely(d)["udf"].update(keys=["service", "service"]),
      "spec.yaml: vertices[3].udf.keys: column(s) ['service'] named twice"),
     (lambda d: _edge(d, "minutely", "agg").update(partitionKey="errors"),
-     "spec.yaml: edges[4].partitionKey: 'errors' is not one of the keys of 'minutely' (window_start, service)"),
-    (_add_udf, "spec.yaml: edges[5].to: 'later' is a udf: 'minutely' has output 'update'"),
-    (_add_udf, "spec.yaml: edges[4].to: sink 'agg' upserts the rows of 'minutely' (output 'update') and "
+     "spec.yaml: edges[5].partitionKey: 'errors' is not one of the keys of 'minutely' (window_start, service)"),
+    (_add_udf, "spec.yaml: edges[6].to: 'later' is a udf: 'minutely' has output 'update'"),
+    (_add_udf, "spec.yaml: edges[5].to: sink 'agg' upserts the rows of 'minutely' (output 'update') and "
                "cannot take other inputs too (also fed by later)"),
 ])
 def test_update_output_rules_name_file_and_field(tmp_path, change, problem):

@@ -1,0 +1,53 @@
+"""A step's counters from its query's progress (isbflow.steps.progress): pure functions of Spark's
+progress reports, here as Spark 4 writes them for a batch that ran and for an idle trigger."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from isbflow.isb.state import StepStatus
+from isbflow.steps.progress import RunningQuery, account_batches
+
+
+def ran(batch: int, rows: int, rate: float = 10.0) -> dict:
+    return {"batchId": batch, "numInputRows": rows, "inputRowsPerSecond": rate, "processedRowsPerSecond": rate,
+            "durationMs": {"addBatch": 5, "latestOffset": 1, "triggerExecution": 9}}
+
+
+def idle(batch: int) -> dict:
+    """An idle trigger (an event-driven step's wait for input that ended empty): no addBatch, and the
+    id of the batch still to come."""
+    return {"batchId": batch, "numInputRows": 0, "inputRowsPerSecond": 0.0, "processedRowsPerSecond": 0.0,
+            "durationMs": {"latestOffset": 5000, "triggerExecution": 5000}}
+
+
+def query(progress: list[dict]) -> RunningQuery:
+    q = SimpleNamespace(recentProgress=progress, lastProgress=progress[-1] if progress else None)
+    return RunningQuery("parse", "enrich", q, ["isb-logs-in-parse-0"])
+
+
+def test_idle_triggers_count_for_nothing_and_do_not_hide_the_next_batch():
+    status = StepStatus("parse")
+    rq = query([ran(0, 40)])
+    account_batches(status, [rq])
+    assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (40, 0, 10.0)
+    rq.query.recentProgress.append(idle(1))
+    rq.query.lastProgress = idle(1)
+    account_batches(status, [rq])  # the idle trigger: rates and rows as they were
+    assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (40, 0, 10.0)
+    rq.query.recentProgress.append(ran(1, 7, rate=3.0))
+    rq.query.lastProgress = ran(1, 7, rate=3.0)
+    account_batches(status, [rq])  # batch 1 runs after the idle trigger that carried its id: counted
+    assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (47, 1, 3.0)
+    account_batches(status, [rq])  # once
+    assert status.rows_total == 47
+
+
+def test_batches_between_two_looks_are_all_counted():
+    status = StepStatus("parse")
+    rq = query([ran(0, 1)])
+    account_batches(status, [rq])
+    rq.query.recentProgress += [ran(1, 10), idle(2), ran(2, 100), ran(3, 1000)]
+    rq.query.lastProgress = ran(3, 1000)
+    account_batches(status, [rq])
+    assert (status.rows_total, status.batch_id) == (1111, 3)
