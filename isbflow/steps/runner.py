@@ -401,8 +401,10 @@ class PipelineRunner:
         return policy
 
     # ------------------------------------------------------------------ bookkeeping
-    def _bookkeep(self, run: StepRun) -> None:
-        """After new batches: committed offsets, buffer release, heartbeat fields."""
+    def _bookkeep(self, run: StepRun, counters: bool = True) -> None:
+        """After new batches: committed offsets, buffer release, heartbeat fields (``counters``:
+        also the dead-letter, unrouted and lag figures, which cost NATS round trips and file reads:
+        the continuous loop asks for them once per heartbeat, not every poll)."""
         status = run.status
         assert status is not None
         committed = step_committed(run.queries)
@@ -413,6 +415,8 @@ class PipelineRunner:
             if self.retention in ("WorkQueue", "Interest"):
                 for s, seq in committed.items():
                     self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
+        if not counters:
+            return
         status.dlq_total = self._dlq_total(run)
         status.unrouted_total = routing.unrouted_total([d for rq in run.queries for _, d in rq.edges])
         sink_policy.fold_status(status, self.sink_policies.get(run.vertex))
@@ -533,13 +537,13 @@ class PipelineRunner:
         try:
             while True:
                 now = time.monotonic()
+                beat = now - last_beat >= heartbeat_every
                 for run in self.runs.values():
                     if run.status and run.status.state == st.Observed.DRAINED:
                         continue
                     self._check_failed(run)
-                    self._bookkeep(run)
+                    self._bookkeep(run, counters=beat)
                     self._follow_control(run)
-                beat = now - last_beat >= heartbeat_every
                 for run in self.runs.values():
                     if beat or (run.status and run.status.state == st.Observed.DRAINED):
                         self._heartbeat(run)
@@ -548,6 +552,9 @@ class PipelineRunner:
                 if all(r.status and r.status.state == st.Observed.DRAINED for r in self.runs.values()):
                     break
                 if should_stop is not None and should_stop():
+                    for run in self.runs.values():  # the counters as they stand, not as of the last beat
+                        if run.status and run.status.state != st.Observed.DRAINED:
+                            self._bookkeep(run)
                     break
                 time.sleep(poll)
         finally:
@@ -587,6 +594,7 @@ class PipelineRunner:
         if done:
             for rq in run.queries:
                 rq.query.stop()
+            self._bookkeep(run)  # the final counters (the loop refreshes them once per heartbeat)
             status.state = st.Observed.DRAINED
             status.final_offsets = {**status.committed}
             self._heartbeat(run)
