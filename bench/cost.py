@@ -341,8 +341,19 @@ def run_demo(args, result: dict) -> int:
 # ------------------------------------------------------------------ the floors (child process)
 
 
+def spec_trigger_s() -> float:
+    """The demo's source trigger when ``--trigger`` is not given: the spec's ``readTimeout``
+    (default 5 s); the floors run at the same interval."""
+    from isbflow.spec import constants, load_specs
+
+    p = load_specs(SPEC).only_pipeline()
+    source = next(v for v in p.spec.vertices if v.source)
+    return source.effective_limits(p.spec.limits).readTimeout or constants.READ_TIMEOUT_S
+
+
 def run_floors(args, queries: int) -> dict:
-    cfg = {"rates": args.rates, "queries": queries, "trigger": spark_trigger(args.trigger or 1.0), "warmup": args.warmup,
+    cfg = {"rates": args.rates, "queries": queries, "trigger": spark_trigger(args.trigger or spec_trigger_s()),
+           "warmup": args.warmup,
            "window": args.window, "sample_every": args.sample_every}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
@@ -454,7 +465,7 @@ def main() -> None:
         if not args.no_floors:
             floors = run_floors(args, queries)
             harness_cpu(result, floors)
-            figures(result, floors, args.trigger or 1.0, os.cpu_count() or 1)
+            figures(result, floors, args.trigger or spec_trigger_s(), os.cpu_count() or 1)
         else:
             harness_cpu(result, None)
     except BaseException as e:

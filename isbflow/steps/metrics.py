@@ -21,8 +21,7 @@ twice however far apart the calls are (Spark keeps the last 100 progress
 reports per query). Series (labels ``pipeline``, ``step`` and as noted):
 
 - ``isbflow_step_records_in_total``: input rows of the step's micro-batches
-  (with several output edges the step runs one query per edge; all read the
-  same input, so one of them is counted);
+  (one query per step, whatever its out degree);
 - ``isbflow_step_records_out_total`` (``to``: the downstream vertex, or
   ``delta`` for a sink's table): rows the step published anew to that edge's
   buffers (from the writer's per-batch stats: duplicates and dead letters
