@@ -531,6 +531,10 @@ class PipelineRunner:
             self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))
             if self.nats.run(st.get_desired(self.nats.nc, self.p.name, v)) != st.Desired.RUNNING:
                 self.nats.run(st.set_desired(self.nats.nc, self.p.name, v, st.Desired.RUNNING))
+            # "starting" before any query exists: a status left by an earlier run ("stopped") would
+            # tell a drain that starts as soon as the queries do (recovery's replay) that it ended
+            self.nats.run(st.put_status(self.nats.nc, self.p.name, st.StepStatus(
+                v, state=st.Observed.STARTING, app=self.spark.sparkContext.applicationId, pid=os.getpid())))
         for v in vertices:
             self._heartbeat(self._start(v, available_now=False))
         last_beat = 0.0
