@@ -239,8 +239,9 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
     return out
 
 
-async def read(nc, pipeline: str) -> dict[str, PartitionRanges]:
-    """The whole ledger: sink -> partition -> ranges (``{}`` when the bucket is empty or missing)."""
+async def read(nc, pipeline: str, kind: str = "sink") -> dict[str, PartitionRanges]:
+    """The whole ledger: sink -> partition -> ranges (``{}`` when the bucket is empty or missing);
+    ``kind="routed"``: the offsets routed away from each sink instead (:mod:`isbflow.isb.routed`)."""
     try:
         kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
         keys = await kv.keys()
@@ -249,7 +250,7 @@ async def read(nc, pipeline: str) -> dict[str, PartitionRanges]:
     out: dict[str, PartitionRanges] = {}
     for key in keys:
         parts = key.split(".")
-        if len(parts) < 4 or parts[0] != "sink":
+        if len(parts) < 4 or parts[0] != kind:
             continue
         sink, source, index = parts[1], ".".join(parts[2:-1]), parts[-1]
         entry = await kv.get(key)

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 from nats.errors import MaxPayloadError
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb.connect import run_with
@@ -106,19 +106,7 @@ def record_routed_sync(settings, pipeline: str, sinks: Iterable[str], ranges: Pa
 
 async def read_routed(nc, pipeline: str) -> dict[str, PartitionRanges]:
     """Every routed entry: sink -> partition -> ranges (``{}`` when there is none)."""
-    try:
-        kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
-        keys = await kv.keys()
-    except (BucketNotFoundError, NoKeysError, NotFoundError):
-        return {}
-    out: dict[str, PartitionRanges] = {}
-    for key in keys:
-        parts = key.split(".")
-        if len(parts) < 4 or parts[0] != "routed":
-            continue
-        sink, source, index = parts[1], ".".join(parts[2:-1]), parts[-1]
-        out.setdefault(sink, {})[f"{source}/{index}"] = await entry_ranges(kv, key)
-    return out
+    return await read(nc, pipeline, kind="routed")
 
 
 async def read_covered(nc, pipeline: str) -> dict[str, PartitionRanges]:
