@@ -53,6 +53,7 @@ async def connect(
     errors: collections.deque[BaseException] = collections.deque(maxlen=8)
     connected = False
     drops: collections.Counter[object] = collections.Counter()
+    nc = nats.aio.client.Client()
 
     async def on_error(e: BaseException) -> None:
         if isinstance(e, SlowConsumerError):  # counted for dropped_messages(); a read fails on it
@@ -61,24 +62,24 @@ async def connect(
             log.warning("ISB service %s: %s", settings.display, e or type(e).__name__)
         else:
             errors.append(e)
+            if refused(e):  # nats-py would retry a refused login until the timeout: the next error ends it
+                nc.options["allow_reconnect"] = False
 
     def refused(e: BaseException) -> bool:
         return isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
 
+    attempt = asyncio.ensure_future(nc.connect(
+        **settings.connect_kwargs(),
+        name=name,
+        connect_timeout=min(timeout, 2.0),
+        # nats-py retries the first connection like a reconnect; keep it short.
+        max_reconnect_attempts=1,
+        reconnect_time_wait=0.2,
+        error_cb=on_error,
+        allow_reconnect=True,
+    ))
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                **settings.connect_kwargs(),
-                name=name,
-                connect_timeout=min(timeout, 2.0),
-                # nats-py retries the first connection like a reconnect; keep it short.
-                max_reconnect_attempts=1,
-                reconnect_time_wait=0.2,
-                error_cb=on_error,
-                allow_reconnect=True,
-            ),
-            timeout,
-        )
+        await _within(attempt, timeout, nc)
     except Exception as e:  # nats-py raises its own types, OSError, TimeoutError, ssl errors
         causes = [*errors, e]
         if any(refused(c) for c in causes):
@@ -99,9 +100,37 @@ async def connect(
         text = str(cause) or ("timed out" if isinstance(cause, asyncio.TimeoutError) else type(cause).__name__)
         raise IsbUnreachable(f"cannot reach the ISB service at {settings.display}: {text}") from None
     connected = True
+    nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = reconnect_attempts
     nc.isbflow_drops = drops
     return nc
+
+
+async def _within(attempt: asyncio.Future, timeout: float, nc: nats.aio.client.Client) -> None:
+    """Await nats-py's first connection for at most ``timeout`` seconds, and then really stop it.
+
+    ``asyncio.wait_for`` cancels the attempt and waits for it to end, but nats-py's connect
+    loop swallows a cancellation that lands in some of its awaits (``_flush_pending``,
+    ``_close``) and then retries forever: CI saw one refused login hang a test for 600 s. So
+    the loop is also told not to retry (its next error raises) and cancelled again until it ends.
+    """
+    try:
+        done, _ = await asyncio.wait({attempt}, timeout=timeout)
+    except asyncio.CancelledError:
+        attempt.cancel()
+        raise
+    if done:
+        attempt.result()
+        return
+    nc.options["allow_reconnect"] = False
+    for _ in range(100):  # each cancel lands in the loop's next await; 5 s at most
+        attempt.cancel()
+        done, _ = await asyncio.wait({attempt}, timeout=0.05)
+        if done:
+            break
+    if not attempt.cancelled() and attempt.done() and attempt.exception() is not None:
+        raise attempt.exception()  # type: ignore[misc]
+    raise TimeoutError
 
 
 def dropped_messages(nc: nats.aio.client.Client, sub: object) -> int:

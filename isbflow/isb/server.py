@@ -227,6 +227,12 @@ def _secret(path: Path) -> str:
 
 
 PORTS_FILE = "ports.json"
+#: starts tried when a node finds one of its ports taken between choosing and binding it
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(EmbeddedNatsError):
+    """A node could not bind a port it was given (``address already in use``)."""
 
 
 def port_free(port: int) -> bool:
@@ -304,62 +310,75 @@ def start_embedded(
         _write_auth(ndir, read_grants(data_dir))
         route_password = _secret(ndir / "route-password") if cluster > 1 else None
     binary = nats_server_binary()
-    ports = _ports(ndir, cluster, client_port)
-    nodes: list[NodeState] = []
-    procs: list[subprocess.Popen] = []
-    for i, (cp, hp, rp) in enumerate(ports):
-        name = f"n{i + 1}"
-        store = ndir / name / "jetstream"
-        private_dir(store)
-        routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
-        conf = ndir / f"{name}.conf"
-        log = ndir / f"{name}.log"
-        _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, route_password,
-                                   max_payload, max_memory_store, max_file_store, tls, log))
-        fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "ab") as logf:
-            proc = subprocess.Popen(
-                [binary, "-c", str(conf)],
-                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, umask=0o077,  # its logs, rotated ones too, owner-only
-            )
-        procs.append(proc)
-        nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
-    state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None,
-                        tls=tls is not None)
-    # Recorded before waiting: if this process dies now, 'isbflow nats down' still finds them.
-    state_file = ndir / STATE_FILE
-    _write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
-    deadline = time.monotonic() + timeout
-    pending = list(nodes)
-    while pending:
-        for n, p in zip(nodes, procs, strict=True):
-            if n in pending and p.poll() is not None:
+
+    def launch(ports: list[tuple[int, int, int | None]]) -> ServerState:
+        nodes: list[NodeState] = []
+        procs: list[subprocess.Popen] = []
+        for i, (cp, hp, rp) in enumerate(ports):
+            name = f"n{i + 1}"
+            store = ndir / name / "jetstream"
+            private_dir(store)
+            routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
+            conf = ndir / f"{name}.conf"
+            log = ndir / f"{name}.log"
+            _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, route_password,
+                                       max_payload, max_memory_store, max_file_store, tls, log))
+            fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "ab") as logf:
+                proc = subprocess.Popen(
+                    [binary, "-c", str(conf)],
+                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, umask=0o077,  # its logs, rotated ones too, owner-only
+                )
+            procs.append(proc)
+            nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
+        state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None,
+                            tls=tls is not None)
+        # Recorded before waiting: if this process dies now, 'isbflow nats down' still finds them.
+        state_file = ndir / STATE_FILE
+        _write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
+        deadline = time.monotonic() + timeout
+        pending = list(nodes)
+        while pending:
+            for n, p in zip(nodes, procs, strict=True):
+                if n in pending and p.poll() is not None:
+                    _kill_nodes(nodes)
+                    state_file.unlink(missing_ok=True)
+                    last = "\n".join(t for t in (tail(Path(n.log).with_suffix(".out"), 10, 4096),
+                                                   tail(n.log, 10, 4096)) if t)
+                    error = PortTaken if "address already in use" in last else EmbeddedNatsError
+                    raise error(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{last}")
+            pending = [n for n in pending if not readiness.healthy(HOST, n.http_port)]
+            if pending and time.monotonic() > deadline:
                 _kill_nodes(nodes)
                 state_file.unlink(missing_ok=True)
-                last = "\n".join(t for t in (tail(Path(n.log).with_suffix(".out"), 10, 4096),
-                                               tail(n.log, 10, 4096)) if t)
-                raise EmbeddedNatsError(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{last}")
-        pending = [n for n in pending if not readiness.healthy(HOST, n.http_port)]
-        if pending and time.monotonic() > deadline:
-            _kill_nodes(nodes)
-            state_file.unlink(missing_ok=True)
-            raise EmbeddedNatsError(
-                f"nats-server not healthy after {timeout:.0f}s: {', '.join(n.name for n in pending)} "
-                f"(logs under {ndir})"
-            )
-        if pending:
+                raise EmbeddedNatsError(
+                    f"nats-server not healthy after {timeout:.0f}s: {', '.join(n.name for n in pending)} "
+                    f"(logs under {ndir})"
+                )
+            if pending:
+                time.sleep(0.1)
+        while len(nodes) > 1 and not readiness.cluster_ready(HOST, state):
+            if time.monotonic() > deadline:
+                _kill_nodes(nodes)
+                state_file.unlink(missing_ok=True)
+                raise EmbeddedNatsError(
+                    f"the JetStream cluster formed no meta leader with every peer current, every server's client "
+                    f"URL known to all and the JetStream API answering on each, after {timeout:.0f}s "
+                    f"(logs under {ndir})")
             time.sleep(0.1)
-    while len(nodes) > 1 and not readiness.cluster_ready(HOST, state):
-        if time.monotonic() > deadline:
-            _kill_nodes(nodes)
-            state_file.unlink(missing_ok=True)
-            raise EmbeddedNatsError(
-                f"the JetStream cluster formed no meta leader with every peer current, every server's client "
-                f"URL known to all and the JetStream API answering on each, after {timeout:.0f}s "
-                f"(logs under {ndir})")
-        time.sleep(0.1)
-    return state
+        return state
+
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return launch(_ports(ndir, cluster, client_port))
+        except PortTaken:
+            # a port found free was taken before the server bound it (another process's
+            # ephemeral port: CI at stop 28): fresh ports, unless a fixed client port is the one taken
+            if attempt == PORT_ATTEMPTS:
+                raise
+            (ndir / PORTS_FILE).unlink(missing_ok=True)
+    raise AssertionError("unreachable")
 
 
 def _kill_nodes(nodes: list[NodeState], timeout: float = 10.0) -> None:

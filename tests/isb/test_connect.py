@@ -202,3 +202,19 @@ def test_tls_needs_existing_files(tmp_path):
 
     with pytest.raises(EmbeddedNatsError, match="missing: cert, key"):
         start_embedded(tmp_path, tls={"ca": __file__})
+
+
+def test_a_server_that_never_answers_times_out_with_one_line():
+    """A listener that accepts and says nothing: the first connection gives up at its timeout."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind((HOST, 0))
+    silent.listen(4)
+    url = f"nats://{HOST}:{silent.getsockname()[1]}"
+    try:
+        with pytest.raises(IsbUnreachable) as e:
+            asyncio.run(connect(settings_from_url(url), timeout=1))
+        assert str(e.value) == f"cannot reach the ISB service at {url}: timed out"
+    finally:
+        silent.close()

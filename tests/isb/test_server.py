@@ -289,3 +289,28 @@ def test_the_server_log_rotates_and_keeps_a_bounded_number_of_files(tmp_path, mo
         assert stat.S_IMODE((nats / name).stat().st_mode) == 0o600, name
     assert "Server is ready" in server.tail(nats / "n1.log", 200) + "".join(
         (nats / n).read_text() for n in logs)
+
+
+def test_a_port_taken_between_choosing_and_binding_it_is_replaced(tmp_path, monkeypatch):
+    """free_port() can hand out a port another process takes before nats-server binds it (CI saw
+    'listen tcp ...: bind: address already in use' on a cluster port): the start tries fresh ports."""
+    import socket
+
+    from isbflow.isb import server
+
+    squatter = socket.socket()
+    squatter.bind((HOST, 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    real = server.free_port
+    handed = iter([taken])
+    monkeypatch.setattr(server, "free_port", lambda: next(handed, None) or real())
+    try:
+        state = server.start_embedded(tmp_path, cluster=1)
+        try:
+            assert taken not in (state.nodes[0].client_port, state.nodes[0].http_port)
+            assert asyncio.run(_publish_and_count(settings_from_url(state.url), "PORTS")) == 3
+        finally:
+            server.stop_embedded(tmp_path)
+    finally:
+        squatter.close()
