@@ -270,9 +270,10 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     # every `isbflow` command imports this module, only a foreground run needs them
     from isbflow.steps.metrics import serve
     from isbflow.steps.runner import PipelineRunner, StepError, spark_session
+    from isbflow.steps.session import driver_conf
 
     cap_own_log()  # a launched driver bounds its own log (isbflow.steps.driver)
-    spark = spark_session(master, app_name=f"isbflow-{p.name}")
+    spark = spark_session(master, app_name=f"isbflow-{p.name}", conf=driver_conf())
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, data_dir,
                             processing_time=processing_time)

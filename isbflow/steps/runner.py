@@ -122,6 +122,8 @@ IDLE_WAIT = float(os.environ.get("ISBFLOW_IDLE_WAIT", "5"))
 #: the trigger interval of an event-driven step (one that reads buffers, with idle waits): what a
 #: batch waits at most once its input has grown; also what bounds its polling should waits fail
 EVENT_TRIGGER_S = 0.25
+#: seconds without a batch in any step after which the continuous loop looks once per heartbeat
+QUIET_AFTER_S = 10.0
 
 
 def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None, event_driven: bool = False) -> str:
@@ -525,7 +527,11 @@ class PipelineRunner:
 
     def run_continuous(self, only: list[str] | None = None, poll: float = 0.5, heartbeat_every: float = 2.0,
                        should_stop: Callable[[], bool] | None = None) -> dict[str, st.StepStatus]:
-        """All steps at once; returns when every step has drained (or ``should_stop``)."""
+        """All steps at once; returns when every step has drained (or ``should_stop``).
+
+        The loop looks at the queries every ``poll`` seconds while they work, and once per
+        ``heartbeat_every`` when no step has run a batch for :data:`QUIET_AFTER_S` (an idle
+        pipeline's driver: each look is a few Py4J calls and a NATS read per step)."""
         vertices = self.steps(only)
         for v in vertices:
             self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))
@@ -538,6 +544,7 @@ class PipelineRunner:
         for v in vertices:
             self._heartbeat(self._start(v, available_now=False))
         last_beat = 0.0
+        last_busy = time.monotonic()
         try:
             while True:
                 now = time.monotonic()
@@ -545,9 +552,12 @@ class PipelineRunner:
                 for run in self.runs.values():
                     if run.status and run.status.state == st.Observed.DRAINED:
                         continue
+                    batch = run.status.batch_id if run.status else None
                     self._check_failed(run)
                     self._bookkeep(run, counters=beat)
                     self._follow_control(run)
+                    if run.draining or (run.status is not None and run.status.batch_id != batch):
+                        last_busy = now
                 for run in self.runs.values():
                     if beat or (run.status and run.status.state == st.Observed.DRAINED):
                         self._heartbeat(run)
@@ -560,7 +570,7 @@ class PipelineRunner:
                         if run.status and run.status.state != st.Observed.DRAINED:
                             self._bookkeep(run)
                     break
-                time.sleep(poll)
+                time.sleep(poll if now - last_busy < QUIET_AFTER_S else max(poll, heartbeat_every))
         finally:
             self.stop_all()
         return {v: r.status for v, r in self.runs.items() if r.status}

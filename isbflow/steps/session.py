@@ -40,6 +40,24 @@ def checkpoint_epoch(data_dir: Path, pipeline: str) -> int:
 CHECKPOINT_FILE_MANAGER = "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 
 
+#: the JVM options of a pipeline's driver (:func:`driver_conf`): the serial collector, a small initial
+#: heap, and a heap given back after a collection leaves it more than 30% free. Measured on the demo
+#: (in-process runner, 100 events/s, 5 s trigger, PSS over 110 s): with the JVM's defaults (G1,
+#: initial heap 1/64 of RAM: 384 MiB here, never given back) the JVM held 982 MiB for ~180 MiB of
+#: live objects; with these 653 MiB, at the same CPU (29.5% of a core against 29.0%). A cap on the
+#: heap (``spark.driver.memory 512m``) took only 38 MiB more and would fail a large batch, so the
+#: heap may still grow to Spark's 1 GiB. ``ISBFLOW_DRIVER_JAVA_OPTIONS`` replaces them ('' for none).
+DRIVER_JAVA_OPTIONS = "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
+
+
+def driver_conf() -> dict[str, str]:
+    """The Spark conf of a pipeline's driver (a foreground or launched ``isbflow pipeline run``):
+    :data:`DRIVER_JAVA_OPTIONS` for its JVM, unless ``ISBFLOW_DRIVER_JAVA_OPTIONS`` says otherwise.
+    Only a session that starts its JVM applies them."""
+    options = os.environ.get("ISBFLOW_DRIVER_JAVA_OPTIONS", DRIVER_JAVA_OPTIONS).strip()
+    return {"spark.driver.extraJavaOptions": options} if options else {}
+
+
 #: the environment variables that name Spark's Python (executors' and the driver's)
 PYTHON_EXECUTABLES = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
 

@@ -50,7 +50,7 @@ DAEMON = "pyspark.daemon"
 FORKED = (SOURCE_RUNNER, DAEMON)
 #: imported by the zygote before it forks: what the runners and workers of isbflow's data sources import
 PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", "isbflow.connector.reader",
-           "isbflow.connector.files", "isbflow.connector.task_publisher")
+           "isbflow.connector.files", "isbflow.connector.task_publisher", "pandas", "pyspark.sql.pandas.serializers")
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 #: seconds the zygote may take to import :data:`PRELOAD` (~1 s here; a loaded machine takes longer)
 START_TIMEOUT = 120.0

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,6 +27,7 @@ from isbflow.isb.server import free_port
 from isbflow.isb.state import StepStatus
 from isbflow.spec import load_specs
 from isbflow.steps.metrics import PipelineMetrics, buffer_usage, read_targets, series_names
+from isbflow.steps.session import DRIVER_JAVA_OPTIONS
 from tests.conftest import ROOT
 from tests.helpers.scale_env import ISBFLOW, SPEC, DemoRun
 
@@ -185,6 +187,10 @@ def test_scrape_a_running_pipeline(nats_server, tmp_path):
             assert get(samples, "isbflow_buffer_usage_ratio", step="parse", stream=stream) == 0, stream
             assert get(samples, "isbflow_buffer_usage_limit_ratio", step="parse", stream=stream) == 0.8
         assert {s for (n, labels) in samples for k, s in labels if k == "step"} == set(P.topological_order())
+        # the driver's JVM runs with the lean options (isbflow.steps.session.driver_conf)
+        jvms = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "java"]
+        assert len(jvms) == 1 and set(DRIVER_JAVA_OPTIONS.split()) <= set(jvms[0].cmdline()), [
+            c.cmdline() for c in jvms]
 
         drain = subprocess.run([ISBFLOW, "pipeline", "drain", "-f", str(SPEC), "--data-dir", str(demo.data_dir),
                                 "--timeout", "300"], env=demo.env(), capture_output=True, text=True, timeout=400)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from isbflow.steps.session import CHECKPOINT_FILE_MANAGER
+from isbflow.steps.session import CHECKPOINT_FILE_MANAGER, DRIVER_JAVA_OPTIONS, driver_conf
 
 pytestmark = pytest.mark.slow
 
@@ -26,3 +26,13 @@ def test_checkpoints_are_written_through_the_file_system_api(spark, tmp_path):
     commits = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "commits").iterdir() if f.name.isdigit())
     offsets = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "offsets").iterdir() if f.name.isdigit())
     assert commits == offsets and len(commits) >= 1, (commits, offsets)
+
+
+def test_a_pipeline_driver_gets_the_lean_jvm_options_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("ISBFLOW_DRIVER_JAVA_OPTIONS", raising=False)
+    assert driver_conf() == {"spark.driver.extraJavaOptions": DRIVER_JAVA_OPTIONS}
+    assert "-XX:+UseSerialGC" in DRIVER_JAVA_OPTIONS.split()
+    monkeypatch.setenv("ISBFLOW_DRIVER_JAVA_OPTIONS", "-XX:+UseG1GC")
+    assert driver_conf() == {"spark.driver.extraJavaOptions": "-XX:+UseG1GC"}
+    monkeypatch.setenv("ISBFLOW_DRIVER_JAVA_OPTIONS", " ")
+    assert driver_conf() == {}
