@@ -44,11 +44,12 @@ def _warn(key: str, text: str, every: float = 60.0) -> None:
 
 
 async def wait_for_append(nc, after: Mapping[str, int], timeout: float,
-                          cancelled: Callable[[], bool] = lambda: False, check_every: float = 0.2) -> bool:
+                          cancelled: Callable[[], bool] = lambda: False, check_every: float = 0.5) -> bool:
     """True as soon as a stream of ``after`` (stream -> last sequence seen) holds a message past
     it; False after ``timeout`` seconds, or within ``check_every`` s of ``cancelled()`` turning
     true. A stream that cannot be waited on (missing, a consumer refused) returns True at once:
-    the caller looks again and sees why."""
+    the caller looks again and sees why. (``check_every``: 0.5 s, not 0.2 s, cut the seven idle
+    demo steps' waits from 1.7% to 0.9% of a core, one run each; a drain or stop waits up to 0.3 s longer.)"""
     loop = asyncio.get_running_loop()
     inbox = nc.new_inbox()
     got = asyncio.Event()

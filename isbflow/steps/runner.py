@@ -122,8 +122,10 @@ IDLE_WAIT = float(os.environ.get("ISBFLOW_IDLE_WAIT", "5"))
 #: the trigger interval of an event-driven step (one that reads buffers, with idle waits): what a
 #: batch waits at most once its input has grown; also what bounds its polling should waits fail
 EVENT_TRIGGER_S = 0.25
-#: seconds without a batch in any step after which the continuous loop looks once per heartbeat
+#: seconds without a batch in any step after which the continuous loop looks at the queries once per
+#: heartbeat interval and beats every :data:`QUIET_HEARTBEAT_S` (well inside the UI's 30 s staleness)
 QUIET_AFTER_S = 10.0
+QUIET_HEARTBEAT_S = 5.0
 
 
 def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None, event_driven: bool = False) -> str:
@@ -529,9 +531,10 @@ class PipelineRunner:
                        should_stop: Callable[[], bool] | None = None) -> dict[str, st.StepStatus]:
         """All steps at once; returns when every step has drained (or ``should_stop``).
 
-        The loop looks at the queries every ``poll`` seconds while they work, and once per
-        ``heartbeat_every`` when no step has run a batch for :data:`QUIET_AFTER_S` (an idle
-        pipeline's driver: each look is a few Py4J calls and a NATS read per step)."""
+        The loop looks at the queries every ``poll`` seconds and beats every ``heartbeat_every``
+        while they work; once no step has run a batch for :data:`QUIET_AFTER_S` it looks once per
+        ``heartbeat_every`` and beats every :data:`QUIET_HEARTBEAT_S` (an idle pipeline's driver:
+        each look is a few Py4J calls and a NATS read per step, each beat a few NATS requests)."""
         vertices = self.steps(only)
         for v in vertices:
             self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))
@@ -548,7 +551,8 @@ class PipelineRunner:
         try:
             while True:
                 now = time.monotonic()
-                beat = now - last_beat >= heartbeat_every
+                quiet = now - last_busy >= QUIET_AFTER_S
+                beat = now - last_beat >= (max(heartbeat_every, QUIET_HEARTBEAT_S) if quiet else heartbeat_every)
                 for run in self.runs.values():
                     if run.status and run.status.state == st.Observed.DRAINED:
                         continue
