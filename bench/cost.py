@@ -1,7 +1,7 @@
 """Cost benchmark (issue #15): what the demo pipeline costs at the rates people run, against two floors.
 
     python bench/cost.py [--quick] [--rates 100,1000,10000] [--window 120] [--warmup 30]
-                         [--trigger '1 second'] [--curve 0.2,1,5] [--out bench/results/cost.json]
+                         [--trigger '1 second'] [--idle 60] [--curve 0.2,1,5] [--out bench/results/cost.json]
 
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end) and
 ``pipelines/logs.yaml`` (every step) as a detached driver, launched like ``isbflow pipeline
@@ -24,6 +24,10 @@ seconds records:
   stream sequence, its publish time is interpolated within its chunk) to the mtime of the Delta
   log entry that made it visible (same host clock);
 - ``kept_up``: the raw sink gained at least 90% of the window's events.
+
+After the rates, the idle window (``--idle`` seconds, default 60; none with ``--quick``): the
+producer paused, 30 s for the last events to pass and the runner to go quiet, then ``idle``:
+the tree's ``cores`` and PSS with nothing to do, against the issue's 3% of a core.
 
 Then, in a child process (its own SparkSession, :func:`isbflow.steps.session.spark_session`
 as the driver has), the two floors at each rate: as many queries as the demo has, each reading
@@ -70,6 +74,9 @@ KEPT_UP = 0.9
 STARTUP_S = 900.0
 #: launches of the driver before the run gives up on a start-up
 LAUNCHES = 5
+#: seconds between pausing the producer and the idle window: the last events pass through and the
+#: runner goes quiet (``isbflow.steps.runner.QUIET_AFTER_S``, 10 s, after the last batch)
+IDLE_QUIET_S = 30.0
 
 
 # ------------------------------------------------------------------ sampling
@@ -148,6 +155,9 @@ class Producer:
         async def loop():
             while not self._stop.is_set():
                 rate = self.rate
+                if rate <= 0:  # paused (the idle window)
+                    await asyncio.sleep(0.2)
+                    continue
                 n = max(1, int(rate))
                 t0 = time.time()
                 rep = await produce(self.settings, self.p, count=n, rate=rate, seed=cm.SEED, start=self.published)
@@ -228,6 +238,43 @@ def demo_window(work: Path, record, producer: Producer, pipeline: str, raw: Path
                batches_per_query_per_s=round(min(per_query.values(), default=0) / (t1 - t0), 3),
                latency_rows=len(lat), latency_p50_s=cm.percentile(lat, 0.5), latency_p99_s=cm.percentile(lat, 0.99),
                load_average_start=list(la0), load_average_end=list(os.getloadavg()))
+    return out
+
+
+def own_cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """Each process's own utime + stime. The idle window sums their growth over the processes alive
+    at its end, not the tree's total with reaped children (as the rate windows do): in an idle
+    window processes exit (Spark ends idle Python workers), a process's time leaves the total when
+    it exits and comes back in its parent's only if the parent reaps it, whole lifetime at once
+    (the total fell by 2.0 CPU-s over one 60 s idle window). A process that exits within the
+    window loses what it spent there (``exited`` counts them)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def idle_window(record, producer: Producer, seconds: float, sample_every: float) -> dict:
+    """The driver with nothing to do: the producer paused, :data:`IDLE_QUIET_S` for what it had
+    published to pass through (and the runner to go quiet), then ``seconds`` measured."""
+    producer.rate = 0
+    log(f"idle: the producer paused; {IDLE_QUIET_S:g}s to go quiet, then a {seconds:g}s window")
+    time.sleep(IDLE_QUIET_S)
+    sampler = Sampler(record.pid, sample_every)
+    t0, cpu0 = time.time(), own_cpu_seconds(cm.descendants(record.pid))
+    time.sleep(seconds)
+    t1, cpu1 = time.time(), own_cpu_seconds(cm.descendants(record.pid))
+    cpu = sum(c - cpu0.get(pid, 0.0) for pid, c in cpu1.items())
+    out = {"seconds": round(t1 - t0, 2), "cpu_s": round(cpu, 2), "cores": round(cpu / (t1 - t0), 4),
+           "exited": len(set(cpu0) - set(cpu1)), **sampler.stop()}
+    out["target"] = verdict("cores of the demo idle", out["cores"], 0.03)
+    log(f"idle: {out['cores']} cores, pss {out['pss_mean_bytes'] >> 20} MiB ({out['target']['verdict']})")
     return out
 
 
@@ -316,6 +363,8 @@ def run_demo(args, result: dict) -> int:
             queries = w["queries"]
             log(f"demo {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch, "
                 f"p50 {w['latency_p50_s']} s, pss {w['pss_mean_bytes'] >> 20} MiB, load {w['load_average_mean']}")
+        if args.idle:
+            result["idle"] = idle_window(record, producer, args.idle, args.sample_every)
         for trig in args.curve:
             result["harness_cpu_s"]["drivers"] += tree_cpu_seconds(cm.descendants(record.pid))
             stop_launch(work, record.key, grace=20)
@@ -420,6 +469,10 @@ def print_table(r: dict) -> None:
                   f"{w['pss_mean_bytes'] >> 20:>8}/{w['pss_peak_bytes'] >> 20:<9} {lat:>12} {w['load_average_mean']:>5}")
         for t in x.get("targets", []):
             print(f"       {t['target']}: {t['value']} ({t['bound']}) {t['verdict']}")
+    if r.get("idle"):
+        i = r["idle"]
+        print(f"idle: {i['cores']} cores, PSS mean {i['pss_mean_bytes'] >> 20} MiB; "
+              f"{i['target']['target']} ({i['target']['bound']}) {i['target']['verdict']}")
     for c in r["curve"]:
         w = c["demo"]
         print(f"trigger {c['trigger_s']:g}s at {c['rate']:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch, "
@@ -433,6 +486,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, help="measured seconds per rate (default 120; quick 20)")
     ap.add_argument("--warmup", type=float, help="seconds at a rate before its window (default 30; quick 8)")
     ap.add_argument("--trigger", type=float, help="seconds: override the source steps' trigger (default: the spec's, 5; the others are event-driven)")
+    ap.add_argument("--idle", type=float, help="seconds of the idle window after the rates: the producer paused, "
+                                               f"{IDLE_QUIET_S:g} s later the driver tree's CPU (default 60; quick 0: none)")
     ap.add_argument("--curve", default="", help="trigger intervals in seconds for the curve, e.g. 0.2,1,5")
     ap.add_argument("--curve-rate", type=float, default=100.0)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors")
@@ -452,10 +507,11 @@ def main() -> None:
     args.window = args.window or (20.0 if args.quick else 120.0)
     args.warmup = args.warmup if args.warmup is not None else (8.0 if args.quick else 30.0)
     args.curve = [float(x) for x in args.curve.split(",") if x]
+    args.idle = args.idle if args.idle is not None else (0.0 if args.quick else 60.0)
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": [], "curve": [],
                     "harness_cpu_s": {"drivers": 0.0},
-                    "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "trigger", "curve",
+                    "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "trigger", "curve", "idle",
                                                              "curve_rate", "sample_every", "profile")}
                     | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]"}}
     floors = None

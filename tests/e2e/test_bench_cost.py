@@ -35,7 +35,7 @@ def test_quick_cost_reports_the_demo_and_both_floors(tmp_path):
     # and each second of window costs ~3 cores (the demo and both floors) out of the suite's budget
     out = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cost.py"), "--quick", "--window", "10", "--warmup", "4",
-                           "--out", str(out)],
+                           "--idle", "5", "--out", str(out)],
                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
@@ -56,5 +56,8 @@ def test_quick_cost_reports_the_demo_and_both_floors(tmp_path):
             ratio = x["ratios"][f"{key}_over_{kind}"]
             assert ratio == pytest.approx(d[key] / x[f"floor_{kind}"][key], rel=0.02), (key, kind, x["ratios"])
     assert {t["verdict"] for t in x["targets"]} <= {"met", "missed", "n/a"} and len(x["targets"]) == 6
+    i = r["idle"]  # the producer paused, then the driver tree with nothing to do
+    assert i["seconds"] > 0 and i["cpu_s"] > 0 and i["cores"] == pytest.approx(i["cpu_s"] / i["seconds"], rel=0.01), i
+    assert 0 < i["pss_mean_bytes"] <= i["pss_peak_bytes"] and i["target"]["verdict"] in ("met", "missed"), i
     h = r["harness_cpu_s"]
     assert h["total"] == pytest.approx(h["drivers"] + h["floors_child"] + h["bench"], abs=0.2) and h["drivers"] > 0
