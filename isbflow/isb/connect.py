@@ -128,8 +128,10 @@ async def _within(attempt: asyncio.Future, timeout: float, nc: nats.aio.client.C
         done, _ = await asyncio.wait({attempt}, timeout=0.05)
         if done:
             break
-    if not attempt.cancelled() and attempt.done() and attempt.exception() is not None:
-        raise attempt.exception()  # type: ignore[misc]
+    if attempt.done() and not attempt.cancelled():
+        if attempt.exception() is not None:
+            raise attempt.exception()  # type: ignore[misc]
+        await nc.close()  # it connected as the time ran out: the caller gets the timeout, not a leak
     raise TimeoutError
 
 

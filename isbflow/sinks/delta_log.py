@@ -61,6 +61,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
@@ -241,6 +242,10 @@ def retention_properties(hours: float) -> dict[str, str]:
     return {**TABLE_CONFIGURATION, "delta.logRetentionDuration": f"interval {round(hours * 3600)} seconds"}
 
 
+#: folds tried when a live writer commits between a fold's read and its commit
+FOLD_ATTEMPTS = 5
+
+
 def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *, force: bool = False) -> int:
     """Steps 1 and 2 of the module docstring: set the log retention, fold the history of the Delta
     table at ``path`` into one commit; the last version the fold covers. Run it before a vacuum that
@@ -251,7 +256,20 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
     if any(table.metadata().configuration.get(k) != v for k, v in wanted.items()):
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
-        table = DeltaTable(path)
+    for attempt in range(1, FOLD_ATTEMPTS + 1):
+        try:
+            return _fold_once(path)
+        except CommitFailedError as e:
+            # a live sink committed between the fold's read and its commit (CI: an upsert's merge,
+            # "a concurrent transaction deleted data this operation read"): fold the newer history
+            if attempt == FOLD_ATTEMPTS:
+                raise
+            _log.info("%s: the fold met a concurrent commit (%s); folding again", path, e)
+    raise AssertionError("unreachable")
+
+
+def _fold_once(path: str) -> int:
+    table = DeltaTable(path)
     version = table.version()
     history = table.history()
     try:

@@ -45,7 +45,7 @@ CHECKPOINT_FILE_MANAGER = "org.apache.spark.sql.execution.streaming.checkpointin
 #: (in-process runner, 100 events/s, 5 s trigger, PSS over 110 s): with the JVM's defaults (G1,
 #: initial heap 1/64 of RAM: 384 MiB here, never given back) the JVM held 982 MiB for ~180 MiB of
 #: live objects; with these 653 MiB, at the same CPU (29.5% of a core against 29.0%). A cap on the
-#: heap (``spark.driver.memory 512m``) took only 38 MiB more and would fail a large batch, so the
+#: heap (``spark.driver.memory 512m``) saved only 38 MiB more and could fail a large batch, so the
 #: heap may still grow to Spark's 1 GiB. ``ISBFLOW_DRIVER_JAVA_OPTIONS`` replaces them ('' for none).
 DRIVER_JAVA_OPTIONS = "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
 

@@ -288,3 +288,36 @@ def test_vacuum_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_snap
     with pytest.raises(MaintenanceError, match="vacuuming .* failed 3 times on concurrent commits"):
         vacuum_table(DeltaTable(path), 0, dry_run=False, force=True, attempts=3, sleep=waits.append)
     assert len(calls) == 3 and waits[-2:] == [0.5, 1.0]
+
+
+def test_a_fold_meeting_a_concurrent_rewrite_folds_again(tmp_path, monkeypatch):
+    """What failed a quick soak in CI: an upsert sink's micro-batch removed files between the log
+    fold's read and its commit ("a concurrent transaction deleted data this operation read"). The
+    fold changes no data, so it reads the newer table and folds again."""
+    from isbflow.sinks import delta_log
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    for b in range(3):
+        commit(opts, b, b * 10 + 1, 10)
+    delta_log.fold_log(path, 0, force=True)  # sets the log retention first: its own commit
+    real, real_delete = DeltaTable.create_write_transaction, DeltaTable.delete
+    read_at: list[int] = []
+
+    def racing(self, *args, **kwargs):
+        if not read_at:  # a live writer rewrites a file after the fold has read the table
+            DeltaTable(path).delete("v <= 5")
+        read_at.append(self.version())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", racing)
+    through = delta_log.fold_log(path, 0, force=True)
+    assert len(read_at) == 2 and through == read_at[1] == read_at[0] + 1, (read_at, through)
+    assert DeltaTable(path).history(1)[0][delta_log.MAINTENANCE_KEY] == "fold"
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(6, 31))
+
+    read_at.clear()  # with one attempt the conflict is delta-rs' own refusal
+    monkeypatch.setattr(delta_log, "FOLD_ATTEMPTS", 1)
+    monkeypatch.setattr(DeltaTable, "delete", lambda self, predicate: real_delete(self, "v >= 26"))
+    with pytest.raises(CommitFailedError, match="concurrent"):
+        delta_log.fold_log(path, 0, force=True)
