@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,7 @@ def retention_properties(hours: float) -> dict[str, str]:
     return {**TABLE_CONFIGURATION, "delta.logRetentionDuration": f"interval {round(hours * 3600)} seconds"}
 
 
-#: folds tried when a live writer commits between a fold's read and its commit
+#: commits of a fold tried when a live writer commits between loading the table and the fold's commit
 FOLD_ATTEMPTS = 5
 
 
@@ -256,19 +257,6 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
     if any(table.metadata().configuration.get(k) != v for k, v in wanted.items()):
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
-    for attempt in range(1, FOLD_ATTEMPTS + 1):
-        try:
-            return _fold_once(path)
-        except CommitFailedError as e:
-            # a live sink committed between the fold's read and its commit (CI: an upsert's merge,
-            # "a concurrent transaction deleted data this operation read"): fold the newer history
-            if attempt == FOLD_ATTEMPTS:
-                raise
-            _log.info("%s: the fold met a concurrent commit (%s); folding again", path, e)
-    raise AssertionError("unreachable")
-
-
-def _fold_once(path: str) -> int:
     table = DeltaTable(path)
     version = table.version()
     history = table.history()
@@ -283,10 +271,23 @@ def _fold_once(path: str) -> int:
             FOLD_CLAIMED_KEY: ledger.to_metadata(claims.claimed),
             FOLD_FOREIGN_KEY: json.dumps([c.to_json() for c in claims.foreign], separators=(",", ":")),
             FOLD_COMMITS_KEY: str(claims.commits)}
-    table.create_write_transaction([], mode="append", schema=table.schema(),
-                                   partition_by=list(table.metadata().partition_columns) or None,
-                                   commit_properties=CommitProperties(custom_metadata=fold))
-    return version
+    for attempt in range(1, FOLD_ATTEMPTS + 1):
+        try:
+            # the fold's commit on the newest table: what it covers is through ``version`` whatever
+            # version it lands at (commits after it stay in the log; trim_log keeps them)
+            latest = DeltaTable(path)
+            latest.create_write_transaction([], mode="append", schema=latest.schema(),
+                                            partition_by=list(latest.metadata().partition_columns) or None,
+                                            commit_properties=CommitProperties(custom_metadata=fold))
+            return version
+        except CommitFailedError as e:
+            # a live sink committed between loading the table and the fold's commit (CI run21: an
+            # upsert's merge, "a concurrent transaction deleted data this operation read")
+            if attempt == FOLD_ATTEMPTS:
+                raise
+            _log.info("%s: the fold's commit met a concurrent commit (%s); committing it again", path, e)
+            time.sleep(0.2 * attempt)
+    raise AssertionError("unreachable")
 
 
 def trim_log(path: str, folded_through: int) -> None:

@@ -312,9 +312,12 @@ def test_a_fold_meeting_a_concurrent_rewrite_folds_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr(DeltaTable, "create_write_transaction", racing)
     through = delta_log.fold_log(path, 0, force=True)
-    assert len(read_at) == 2 and through == read_at[1] == read_at[0] + 1, (read_at, through)
+    # the fold covers what it read (through), and its commit lands after the concurrent one
+    assert len(read_at) == 2 and read_at[1] == read_at[0] + 1 and through == read_at[0], (read_at, through)
     assert DeltaTable(path).history(1)[0][delta_log.MAINTENANCE_KEY] == "fold"
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(6, 31))
+    delta_log.trim_log(path, through)
+    assert ledger.from_delta_history(path) == {"in/0": [[1, 30]]}  # the log trimmed, the offsets whole
 
     read_at.clear()  # with one attempt the conflict is delta-rs' own refusal
     monkeypatch.setattr(delta_log, "FOLD_ATTEMPTS", 1)
