@@ -226,6 +226,35 @@ def test_consumer_path_receives_only_its_range(nats_server):
     assert received < 600, f"received {received} messages for a 500-message range"
 
 
+def test_consumer_path_keeps_headers_times_and_the_connection_usable(nats_server):
+    """The consumer path takes deliveries off nats-py's parser as raw bytes (read._deliver_raw):
+    each message keeps its payload, headers and store time, nats-py still counts what arrives,
+    and the same connection still answers requests during and after the read."""
+    s = nats_server.settings
+    make_stream(s, "hdr")
+
+    async def publish(nc, js):
+        for i in range(40):
+            await js.publish("hdr", b"e%d" % i, headers={"Nats-Msg-Id": f"id-{i}", "X-Kind": "log"}
+                             if i % 2 else None)
+    nats_do(s, publish)
+
+    async def fn(nc, js):
+        before = nc.stats["in_msgs"]
+        got = []
+        async for msgs in consume_range(nc, "hdr", 1, 40, chunk_msgs=16):
+            got += msgs
+            assert (await stream_state(nc, "hdr")).last_seq == 40  # a request beside the read
+        return got, nc.stats["in_msgs"] - before
+
+    got, received = nats_do(s, fn)
+    assert [m[0] for m in got] == list(range(1, 41))
+    assert [m[1] for m in got] == [b"e%d" % i for i in range(40)]
+    assert got[1][2] == {"Nats-Msg-Id": "id-1", "X-Kind": "log"} and got[0][2] == {}
+    assert all(isinstance(m[3], int) and m[3] > 1.7e18 for m in got)  # store time, ns since the epoch
+    assert received >= 40
+
+
 # ---------------------------------------------------------------- offsets and admission control
 
 def test_latest_offset_caps_by_read_limit_fairly_and_idles(nats_server):
