@@ -244,7 +244,8 @@ class _RangeReader:
         chunks = read_partition(self.opts.settings, p.stream, p.inc, p.first, p.last,
                                 on_gap=on_gap if replay else None,
                                 on_recreated=on_recreated if replay else None,
-                                prefer_consumer=self.opts.mode == "events")
+                                prefer_consumer=self.opts.mode == "events",
+                                keep_headers=self.opts.mode != "events")
         target = arrow_schema(self.schema)
         if self.opts.mode == "frames":
             bad: list[dlq.DeadLetter] = []

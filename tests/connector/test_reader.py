@@ -254,6 +254,10 @@ def test_consumer_path_keeps_headers_times_and_the_connection_usable(nats_server
     assert all(isinstance(m[3], int) and m[3] > 1.7e18 for m in got)  # store time, ns since the epoch
     assert received >= 40
 
+    async def bare(nc, js):
+        return [m async for msgs in consume_range(nc, "hdr", 1, 40, keep_headers=False) for m in msgs]
+    assert [m[2] for m in nats_do(s, bare)] == [{}] * 40  # the events path reads no headers
+
 
 # ---------------------------------------------------------------- offsets and admission control
 

@@ -61,21 +61,23 @@ def test_one_mib_events_are_read_once_within_the_byte_bound(nats_server, path):
 
 
 def test_the_raw_delivery_path_parses_any_split_of_the_wire_like_nats_py():
-    """read._deliver_raw's fast parser in front of nats-py's: hooked plain messages split at every
-    byte of the wire arrive whole and in order, a hooked message with headers comes through
-    nats-py's parser to the same handler, and another subscription's message is left to
-    nats-py. Fast: a client that never connects."""
+    """read._deliver_raw's fast parser in front of nats-py's: hooked messages (with headers or
+    without, with a reply subject or without) split at every byte of the wire arrive whole and in
+    order, and another subscription's message is left to nats-py's parser (which then hands the
+    hooked ones after it to the same handler). Fast: a client that never connects."""
     import nats.aio.client
 
     wire = (b"MSG in.1 5 $JS.ACK.s.c.1.7.7.1700000000000000000.3 3\r\nabc\r\n"
             b"MSG in.2 5 2\r\nde\r\n"
             b"MSG other 9 1\r\nz\r\n"
             b"HMSG in.3 5 r.x 24 26\r\nNATS/1.0\r\nK: v\r\nX: y\r\n\r\nhi\r\n"
-            b"MSG in.4 5 r.y 0\r\n\r\n")
+            b"MSG in.4 5 r.y 0\r\n\r\n"
+            b"HMSG in.5 5 16 19\r\nNATS/1.0 204\r\n\r\nend\r\n")
     want = [(b"in.1", b"$JS.ACK.s.c.1.7.7.1700000000000000000.3", b"abc", None),
             (b"in.2", b"", b"de", None),
             (b"in.3", b"r.x", b"hi", b"NATS/1.0\r\nK: v\r\nX: y\r\n\r\n"),
-            (b"in.4", b"r.y", b"", None)]
+            (b"in.4", b"r.y", b"", None),
+            (b"in.5", b"", b"end", b"NATS/1.0 204\r\n\r\n")]
 
     class Sub:
         _id = 5
@@ -91,7 +93,7 @@ def test_the_raw_delivery_path_parses_any_split_of_the_wire_like_nats_py():
     for cut in range(len(wire) + 1):
         got, counted = asyncio.run(feed([wire[:cut], wire[cut:]]))
         assert got == want, f"split at byte {cut}"
-        assert counted == 5, f"split at byte {cut}"  # nats-py's count of every message received
+        assert counted == 6, f"split at byte {cut}"  # nats-py's count of every message received
     got, _ = asyncio.run(feed([wire[i:i + 1] for i in range(len(wire))]))
     assert got == want
     assert read._headers(want[2][3]) == {"K": "v", "X": "y"}
