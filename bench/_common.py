@@ -276,8 +276,22 @@ def descendants(root: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        todo.extend(children.get(p, []))
+        kids = children.get(p, [])
+        if kids and (exe := _exe(p)) and os.path.basename(exe) == "java":
+            # A child of the JVM running the JVM's own binary is a fork that has not yet run its
+            # exec (Hadoop runs chmod as a process for every file it writes): until then /proc shows
+            # the JVM's whole memory under the child's pid too. Counting it doubled the JVM in a
+            # sample (measured: a 1.29 GB "process" beside a 1.29 GB JVM in a throughput peak).
+            kids = [k for k in kids if _exe(k) != exe]
+        todo.extend(kids)
     return out
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
 
 
 def tree_memory(pids: list[int]) -> dict[str, int]:

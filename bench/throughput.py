@@ -431,6 +431,7 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
     from isbflow.ops.produce import produce
     from isbflow.spec import load_specs
     from isbflow.steps.runner import PipelineRunner, spark_session
+    from isbflow.steps.session import driver_conf
 
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": cfg.__dict__ | {
@@ -448,8 +449,11 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
         settings = resolve_settings(data_dir=work)
         asyncio.run(provision.apply(settings, specs))
         log(f"nats-server pid {nats_pid} at {work}")
-        spark = spark_session("local[2]", app_name="isbflow-bench", conf={
-            "spark.sql.streaming.numRecentProgressUpdates": "5000"})
+        # the JVM options a pipeline's driver runs with (isbflow.steps.session.driver_conf): the
+        # memory measured is the engine's as deployed
+        conf = {**driver_conf(), "spark.sql.streaming.numRecentProgressUpdates": "5000"}
+        result["spark_conf"] = conf
+        spark = spark_session("local[2]", app_name="isbflow-bench", conf=conf)
         spark.sparkContext.setLogLevel("ERROR")
         spark.dataSource.register(cm.BenchMemorySource)
         jvm_pid = spark.sparkContext._gateway.proc.pid

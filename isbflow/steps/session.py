@@ -4,6 +4,7 @@ user's transforms, and the pipeline's checkpoint epoch."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,25 @@ def driver_conf() -> dict[str, str]:
     return {"spark.driver.extraJavaOptions": options} if options else {}
 
 
+#: How many idle Python workers of a kind (UDF, data source read, write, ...) Spark keeps for reuse:
+#: one per task slot (:func:`task_slots`), instead of every worker it ever started. Measured on the
+#: demo (in-process runner, 100 events/s, 5 s trigger, the driver JVM options above, PSS mean over
+#: 110 s, one run each): Spark's Python processes held 499 MiB (33 processes) unbounded, 429 MiB (31)
+#: with 2 per kind, 391 MiB (30) with 1 per kind; CPU of the tree 53.8%, 51.0%, 55.5% of a core.
+#: One per slot keeps a worker for each task that can run at once, so steady batches fork none.
+IDLE_WORKERS_CONF = "spark.python.factory.idleWorkerMaxPoolSize"
+
+
+def task_slots(master: str) -> int | None:
+    """Tasks a ``local`` master runs at once (``local``: 1, ``local[N]`` and ``local[N,F]``: N,
+    ``local[*]``: the machine's cores); ``None`` for a cluster master (its executors say)."""
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master.strip())
+    if m is None:
+        return None
+    n = m.group(1)
+    return 1 if n is None else (os.cpu_count() or 1) if n == "*" else max(1, int(n))
+
+
 #: the environment variables that name Spark's Python (executors' and the driver's)
 PYTHON_EXECUTABLES = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
 
@@ -84,6 +104,8 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.ui.killEnabled", "false")
          .config("spark.hadoop.fs.permissions.umask-mode", "077")
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER))
+    if (slots := task_slots(master)) is not None:
+        b = b.config(IDLE_WORKERS_CONF, str(slots))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     real = {k: os.environ[k] for k in PYTHON_EXECUTABLES}
