@@ -38,8 +38,9 @@ silent skip.
 Two paths, measured here (200K one-event messages of ~140 B, one process): direct get
 ~26-28K msg/s on a loaded 2-core machine and 71K on a quiet one; an ephemeral pull
 consumer (:func:`consume_range`, AckNone, sequence and time parsed from the reply
-subject) 220-240K msg/s on the quiet one (121-129K while its deliveries went through
-nats-py's ``Msg`` objects and subscription task; see :func:`_deliver_raw`). The gap is
+subject) 271K msg/s on the quiet one (121-129K while its deliveries went through
+nats-py's ``Msg`` objects and subscription task; see :func:`_deliver_raw`,
+:func:`_parse_raw_first` and :func:`_no_cyclic_gc`). The gap is
 nats-py building a header dict for every direct-get reply. For frames (10,000 rows each)
 the path does not matter: 1M rows read and decoded at 5-7M rows/s by direct get. So frames use direct
 get, and events use the consumer unless the stream is a ``WorkQueue`` (a
@@ -192,8 +193,8 @@ def _parse_raw_first(nc: nats.aio.client.Client, hooks: dict) -> None:
     the next read; anything else (other subscriptions, PING, INFO) is left to nats-py's
     parser, which reaches the same handlers through ``_process_msg``.
     Measured on 200K events of ~140 B in one process holding what a Spark worker imports
-    (four interleaved rounds, medians): 202K msg/s with nats-py's parser
-    alone, 271K with this path."""
+    (four interleaved rounds, medians): 202K msg/s with nats-py's parser alone, 271K with
+    this path."""
     ps = nc._ps
     parse = ps.parse
     stats = nc.stats
@@ -553,8 +554,9 @@ def _no_cyclic_gc() -> Iterator[None]:
     A chunk is up to ``CHUNK_MSGS`` new tuples kept alive, so the collector ran every 700 of
     them, and its older generations walk every object of the process (a Spark worker holds
     pyspark, pyarrow and pandas). Measured on 200K events of ~140 B in one process holding
-    those imports (four interleaved rounds, medians): 195K msg/s with collection on, 271K off. Nothing a read allocates forms a cycle;
-    reference counting frees it as before, and the next collection sees what was left.
+    those imports (four interleaved rounds, medians): 195K msg/s with collection on, 271K
+    off. Nothing a read allocates forms a cycle; reference counting frees it as before, and
+    the next collection sees what was left.
     """
     was = gc.isenabled()
     gc.disable()
