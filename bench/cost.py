@@ -65,7 +65,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import _common as cm  # noqa: E402
 import cost_profile  # noqa: E402
 from _common import log  # noqa: E402
-from soak import batches_per_query, tree_cpu_seconds  # noqa: E402
+from soak import batches_per_query, cpu_seconds, tree_cpu_seconds  # noqa: E402
 
 SPEC = ROOT / "pipelines" / "logs.yaml"
 GIB = 1 << 30
@@ -248,16 +248,7 @@ def own_cpu_seconds(pids: list[int]) -> dict[int, float]:
     it exits and comes back in its parent's only if the parent reaps it, whole lifetime at once
     (the total fell by 2.0 CPU-s over one 60 s idle window). A process that exits within the
     window loses what it spent there (``exited`` counts them)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return {pid: own for pid, (own, _) in cpu_seconds(pids).items()}
 
 
 def idle_window(record, producer: Producer, seconds: float, sample_every: float) -> dict:

@@ -149,18 +149,24 @@ def scrape(url: str) -> tuple[float, int]:
     return total, count
 
 
-def tree_cpu_seconds(pids: list[int]) -> float:
-    """utime + stime + cutime + cstime of ``pids`` (a reaped child's time is in its parent's cutime)."""
+def cpu_seconds(pids: list[int]) -> dict[int, tuple[float, float]]:
+    """Per process of ``pids`` still there: (its own utime + stime, cutime + cstime of the children
+    it has reaped), in seconds, from ``/proc/<pid>/stat``."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    out = {}
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        total += sum(int(x) for x in fields[11:15])
-    return total / tick
+        f = [int(x) for x in stat[stat.rfind(")") + 2:].split()[11:15]]
+        out[pid] = ((f[0] + f[1]) / tick, (f[2] + f[3]) / tick)
+    return out
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """utime + stime + cutime + cstime of ``pids`` (a reaped child's time is in its parent's cutime)."""
+    return sum(own + reaped for own, reaped in cpu_seconds(pids).values())
 
 
 async def nats_sample(nc, pipeline: str, steps: list[str]) -> dict:

@@ -69,7 +69,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from nats.errors import MaxPayloadError
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NoKeysError,
+    NotFoundError,
+)
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
@@ -242,9 +248,10 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
 async def read(nc, pipeline: str, kind: str = "sink") -> dict[str, PartitionRanges]:
     """The whole ledger: sink -> partition -> ranges (``{}`` when the bucket is empty or missing);
     ``kind="routed"``: the offsets routed away from each sink instead (:mod:`isbflow.isb.routed`)."""
+    bucket = naming.ledger_bucket(pipeline)
     try:
-        kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
-        keys = await kv.keys()
+        kv = await nc.jetstream().key_value(bucket)
+        keys = await bucket_keys(nc, bucket)
     except (BucketNotFoundError, NoKeysError, NotFoundError):
         return {}
     out: dict[str, PartitionRanges] = {}
@@ -253,10 +260,24 @@ async def read(nc, pipeline: str, kind: str = "sink") -> dict[str, PartitionRang
         if len(parts) < 4 or parts[0] != kind:
             continue
         sink, source, index = parts[1], ".".join(parts[2:-1]), parts[-1]
-        entry = await kv.get(key)
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):  # deleted or purged: its subject keeps a marker
+            continue
         ranges = json.loads(entry.value or b"{}").get("ranges", [])
         out.setdefault(sink, {})[f"{source}/{index}"] = normalize(ranges)
     return out
+
+
+async def bucket_keys(nc, bucket: str) -> list[str]:
+    """The keys of KV ``bucket`` that hold a message, from its stream's subjects (``STREAM.INFO``
+    with a subjects filter), deleted ones included (their marker). nats-py's ``KeyValue.keys()``
+    lists them through an ordered watcher that stops at the first delivery reporting nothing
+    pending, and it has come back short: CI once read a ledger without a sink whose four
+    commits had each recorded their offsets (no failure logged)."""
+    prefix = f"$KV.{bucket}."
+    info = await nc.jetstream().stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
+    return sorted(s[len(prefix):] for s in (info.state.subjects or {}))
 
 
 def record_sync(settings, pipeline: str, sink: str, ranges: PartitionRanges) -> None:

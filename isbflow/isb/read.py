@@ -30,7 +30,7 @@ what it holds (one list) before the rest is asked, and an ahead chunk's rest is 
 only once it is current. The consumer path asks each pull for ``max_bytes`` too and
 sends a new one only while received-but-not-handed-out bytes plus what open requests
 may still bring stay within ``inflight * chunk_bytes``; its deliveries skip nats-py's
-pending queue (:func:`_deliver_raw`), so they are never dropped. The direct-get reply
+pending queue (:func:`isbflow.isb.raw.deliver_raw`), so they are never dropped. The direct-get reply
 subscription's pending limits are set to the same bound; a reply nats-py drops past them
 (slow consumer) fails the read with :class:`~isbflow.isb.errors.BufferReadError`, never a
 silent skip.
@@ -39,8 +39,7 @@ Two paths, measured here (200K one-event messages of ~140 B, one process): direc
 ~26-28K msg/s on a loaded 2-core machine and 71K on a quiet one; an ephemeral pull
 consumer (:func:`consume_range`, AckNone, sequence and time parsed from the reply
 subject) 271K msg/s on the quiet one (121-129K while its deliveries went through
-nats-py's ``Msg`` objects and subscription task; see :func:`_deliver_raw`,
-:func:`_parse_raw_first` and :func:`_no_cyclic_gc`). The gap is
+nats-py's ``Msg`` objects and subscription task; see :mod:`isbflow.isb.raw`). The gap is
 nats-py building a header dict for every direct-get reply. For frames (10,000 rows each)
 the path does not matter: 1M rows read and decoded at 5-7M rows/s by direct get. So frames use direct
 get, and events use the consumer unless the stream is a ``WorkQueue`` (a
@@ -52,18 +51,15 @@ nothing; it needs ``allow_direct`` on the stream (provisioning sets it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nats.protocol.parser import AWAITING_CONTROL_LINE
-
 from isbflow.isb.connect import NatsSettings, close_loop, connect, dropped_messages
 from isbflow.isb.errors import BufferLost, BufferReadError
+from isbflow.isb.raw import deliver_raw, no_cyclic_gc, parse_headers, status_line
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -151,118 +147,6 @@ async def _subscribe(nc: nats.aio.client.Client, subject: str, cb, bound: int, m
     """The reply subscription of one read, its pending limits set to the read's bound: past
     it nats-py would drop replies, which :func:`_check_drops` turns into an error."""
     return await nc.subscribe(subject, cb=cb, pending_msgs_limit=msgs, pending_bytes_limit=bound + 1)
-
-
-def _deliver_raw(nc: nats.aio.client.Client, sub, handler: Callable[[bytes, bytes, bytes, bytes | None], None] | None) -> None:
-    """Hand the deliveries of ``sub`` to ``handler(subject, reply, data, headers)`` as nats-py's
-    parser reads them (bytes as on the wire; ``headers`` the raw header block or ``None``);
-    ``None`` stops it.
-
-    nats-py's own path for a subscription callback builds a ``Msg`` (subject and reply decoded,
-    headers parsed into a dict), queues it and switches to the subscription's task for every
-    message: over 40% of reading 140-byte events in one process (py-spy). A handler here is
-    plain code on the parser's stack: it must not block, and it holds what it keeps (the range
-    reads bound that by what their requests ask for, module doc *Bounds*).
-    """
-    hooks = nc.__dict__.get("_isbflow_raw")
-    if hooks is None:
-        hooks = nc._isbflow_raw = {}
-        process = nc._process_msg
-
-        async def process_msg(sid, subject, reply, data, headers):
-            h = hooks.get(sid)
-            if h is None:
-                return await process(sid, subject, reply, data, headers)
-            stats = nc.stats  # kept true: nats-py counts what it receives here
-            stats["in_msgs"] += 1
-            stats["in_bytes"] += len(data)
-            h(subject, reply, data, headers)
-
-        nc._process_msg = process_msg
-        _parse_raw_first(nc, hooks)
-    if handler is None:
-        hooks.pop(sub._id, None)
-    else:
-        hooks[sub._id] = handler
-
-
-def _parse_raw_first(nc: nats.aio.client.Client, hooks: dict) -> None:
-    """Put a fast path in front of nats-py's parser on ``nc``: a run of ``MSG`` and ``HMSG``
-    lines for subscriptions in ``hooks`` is split with ``bytes.find`` and handed to their
-    handlers (the header block raw); a hooked message not yet whole waits in the buffer for
-    the next read; anything else (other subscriptions, PING, INFO) is left to nats-py's
-    parser, which reaches the same handlers through ``_process_msg``.
-    Measured on 200K events of ~140 B in one process holding what a Spark worker imports
-    (four interleaved rounds, medians): 202K msg/s with nats-py's parser alone, 271K with
-    this path."""
-    ps = nc._ps
-    parse = ps.parse
-    stats = nc.stats
-
-    async def parse_fast(data: bytes = b"") -> None:
-        buf = ps.buf
-        buf.extend(data)
-        partial = False
-        if ps.state == AWAITING_CONTROL_LINE and hooks:
-            pos, end_all = 0, len(buf)
-            while True:
-                if buf.startswith(b"MSG ", pos):
-                    op = 4
-                elif buf.startswith(b"HMSG ", pos):
-                    op = 5
-                else:
-                    break
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    partial = True
-                    break
-                args = buf[pos + op:eol].split()
-                hsize = b"0"
-                if len(args) == op:  # MSG subject sid reply size, HMSG subject sid reply hsize size
-                    subject, sid, reply, *sizes = args
-                elif len(args) == op - 1:
-                    (subject, sid, *sizes), reply = args, b""
-                else:
-                    break
-                h = hooks.get(int(sid))
-                if h is None:
-                    break
-                if op == 5:
-                    hsize, size = sizes
-                else:
-                    (size,) = sizes
-                start = eol + 2
-                end = start + int(size)
-                if end + 2 > end_all:
-                    partial = True
-                    break
-                mid = start + int(hsize)
-                data_ = bytes(buf[mid:end])
-                stats["in_msgs"] += 1
-                stats["in_bytes"] += len(data_)
-                pos = end + 2
-                h(bytes(subject), bytes(reply), data_, bytes(buf[start:mid]) if mid > start else None)
-            if pos:
-                del buf[:pos]
-        if not partial:  # a message cut at the end of the read waits here for its rest
-            await parse()
-
-    ps.parse = parse_fast
-
-
-def _headers(block: bytes) -> dict:
-    """A raw NATS header block (``NATS/1.0 ...`` then ``Key: value`` lines) as a dict, first value of each key."""
-    out: dict = {}
-    for line in block.decode("utf-8", "replace").split("\r\n")[1:]:
-        k, sep, v = line.partition(":")
-        if sep and k not in out:
-            out[k.strip()] = v.strip()
-    return out
-
-
-def _status_line(block: bytes) -> str:
-    """The status and description of a raw header block (``NATS/1.0 409 Message Size Exceeds MaxBytes``)."""
-    return block.split(b"\r\n", 1)[0].decode("utf-8", "replace").partition(" ")[2].strip()
 
 
 def _check_drops(nc: nats.aio.client.Client, sub, stream: str, bound: int) -> None:
@@ -419,7 +303,7 @@ async def consume_range(
     plen = len(inbox) + 1
 
     def on_msg(subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-        # called by the parser for every delivery (_deliver_raw): no awaits, no objects per message
+        # called by the parser for every delivery (raw.deliver_raw): no awaits, no objects per message
         if st["done"]:
             return  # late deliveries after the end
         if not reply:  # a status on the request's own inbox ends it: 409 "Batch Completed", ...
@@ -427,7 +311,7 @@ async def consume_range(
             if r is not None:
                 pulled["n"] -= r[0]  # undelivered: asked again
                 if r[1] == chunk_bytes and headers and b"MaxBytes" in headers:
-                    refused.append(_status_line(headers))
+                    refused.append(status_line(headers))
             wake.set()  # the loop sends the next pull
             return
         t = reply.split(b".")
@@ -448,7 +332,7 @@ async def consume_range(
         if seq > expect:
             gaps.append((expect, min(seq - 1, last)))
         if seq <= last:
-            buf.append((seq, data, _headers(headers) if headers and keep_headers else {}, int(t[7 + o])))
+            buf.append((seq, data, parse_headers(headers) if headers and keep_headers else {}, int(t[7 + o])))
             st["bytes"] += len(data)
         st["expect"] = seq + 1
         if seq >= last or t[8 + o] == b"0":
@@ -461,7 +345,7 @@ async def consume_range(
 
     bound = read_bound(nc, chunk_bytes, inflight)
     sub = await _subscribe(nc, inbox + ".*", None, bound, inflight * (chunk_msgs + 1) + 16)
-    _deliver_raw(nc, sub, on_msg)
+    deliver_raw(nc, sub, on_msg)
     # A pull consumer asked for exactly the range: a push consumer (AckNone) would send
     # everything after `first` to the end of the stream, which the connection must still
     # read after the range is complete (measured: a 50K task of a 1M stream timed out).
@@ -539,32 +423,12 @@ async def consume_range(
                 return
     finally:
         st["done"] = True
-        _deliver_raw(nc, sub, None)
+        deliver_raw(nc, sub, None)
         await sub.unsubscribe()
         try:
             await nc.request(f"{API}.CONSUMER.DELETE.{stream}.{name}", b"", timeout=5)
         except Exception:  # the inactive_threshold removes it anyway
             log.debug("could not delete read consumer %s on %s", name, stream)
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
-    """No cyclic garbage collection while a chunk is read (restored after, and at once).
-
-    A chunk is up to ``CHUNK_MSGS`` new tuples kept alive, so the collector ran every 700 of
-    them, and its older generations walk every object of the process (a Spark worker holds
-    pyspark, pyarrow and pandas). Measured on 200K events of ~140 B in one process holding
-    those imports (four interleaved rounds, medians): 195K msg/s with collection on, 271K
-    off. Nothing a read allocates forms a cycle; reference counting frees it as before, and
-    the next collection sees what was left.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def read_partition(
@@ -589,9 +453,8 @@ def read_partition(
     is yielded; a recreation *during* the read always raises (the task fails, so
     nothing read from the new incarnation is used under the old one's ids).
 
-    ``prefer_consumer``: read through :func:`consume_range` (faster for many
-    small messages) unless the stream is a ``WorkQueue``; else :func:`read_range`.
-    ``keep_headers=False`` is passed to :func:`consume_range` (direct get keeps them).
+    ``prefer_consumer``: read through :func:`consume_range` (faster for many small messages,
+    given ``keep_headers``) unless the stream is a ``WorkQueue``; else :func:`read_range`.
     """
     loop = asyncio.new_event_loop()
     try:
@@ -623,7 +486,7 @@ def read_partition(
             try:
                 while True:
                     try:
-                        with _no_cyclic_gc():
+                        with no_cyclic_gc():
                             msgs = loop.run_until_complete(agen.__anext__())
                     except StopAsyncIteration:
                         break

@@ -227,7 +227,7 @@ def test_consumer_path_receives_only_its_range(nats_server):
 
 
 def test_consumer_path_keeps_headers_times_and_the_connection_usable(nats_server):
-    """The consumer path takes deliveries off nats-py's parser as raw bytes (read._deliver_raw):
+    """The consumer path takes deliveries off nats-py's parser as raw bytes (raw.deliver_raw):
     each message keeps its payload, headers and store time, nats-py still counts what arrives,
     and the same connection still answers requests during and after the read."""
     s = nats_server.settings

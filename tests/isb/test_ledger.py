@@ -39,6 +39,31 @@ def test_fold_dead_fills_only_dead_lettered_gaps_inside_the_span():
     assert ledger.fold_dead([[5, 9]], [[1, 4]]) == ([[5, 9]], 0)  # below the span: left to low_offsets
 
 
+def test_a_read_lists_every_sink_and_partition_of_the_bucket(nats_server):
+    """ledger.read takes the keys from the bucket's stream subjects (ledger.bucket_keys), not
+    nats-py's watcher: every sink and partition recorded comes back, a deleted key does not, and
+    an empty or missing bucket reads as nothing."""
+    sinks, parts = [f"s{i}" for i in range(6)], [f"in/{p}" for p in range(3)] + ["other.src/0"]
+
+    async def go():
+        async with session(nats_server.settings, name="t-ledger-read") as nc:
+            missing = await ledger.read(nc, PIPE)
+            await _provision(nc)
+            empty = await ledger.read(nc, PIPE)
+            for i, sink in enumerate(sinks):
+                await ledger.record(nc, PIPE, sink, {p: [[1, 10 + i]] for p in parts})
+            kv = await nc.jetstream().key_value(naming.ledger_bucket(PIPE))
+            await kv.delete(ledger.ledger_key("s5", "in/2"))
+            return missing, empty, await ledger.read(nc, PIPE)
+
+    missing, empty, held = asyncio.run(go())
+    assert missing == {} and empty == {}
+    assert sorted(held) == sinks
+    for i, sink in enumerate(sinks):
+        want = {p: [[1, 10 + i]] for p in parts if (sink, p) != ("s5", "in/2")}
+        assert held[sink] == want, sink
+
+
 def test_an_entry_with_many_dead_letter_gaps_stays_bounded(nats_server):
     """10,000 offsets, every 20th dead-lettered (500 gaps), committed in 100 batches: the entry folds
     the dead letters and keeps only the gap that is no dead letter (records in flight)."""

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 from nats.js.api import StreamConfig
 
-from isbflow.isb import read
+from isbflow.isb import raw, read
 from isbflow.isb.connect import connect
 
 EVENTS = 200
@@ -61,7 +61,7 @@ def test_one_mib_events_are_read_once_within_the_byte_bound(nats_server, path):
 
 
 def test_the_raw_delivery_path_parses_any_split_of_the_wire_like_nats_py():
-    """read._deliver_raw's fast parser in front of nats-py's: hooked messages (with headers or
+    """raw.deliver_raw's fast parser in front of nats-py's: hooked messages (with headers or
     without, with a reply subject or without) split at every byte of the wire arrive whole and in
     order, and another subscription's message is left to nats-py's parser (which then hands the
     hooked ones after it to the same handler). Fast: a client that never connects."""
@@ -85,7 +85,7 @@ def test_the_raw_delivery_path_parses_any_split_of_the_wire_like_nats_py():
     async def feed(parts: list[bytes]) -> tuple[list, int]:
         nc = nats.aio.client.Client()
         got: list = []
-        read._deliver_raw(nc, Sub, lambda *m: got.append(m))
+        raw.deliver_raw(nc, Sub, lambda *m: got.append(m))
         for part in parts:
             await nc._ps.parse(part)
         return got, nc.stats["in_msgs"]
@@ -96,6 +96,6 @@ def test_the_raw_delivery_path_parses_any_split_of_the_wire_like_nats_py():
         assert counted == 6, f"split at byte {cut}"  # nats-py's count of every message received
     got, _ = asyncio.run(feed([wire[i:i + 1] for i in range(len(wire))]))
     assert got == want
-    assert read._headers(want[2][3]) == {"K": "v", "X": "y"}
-    assert read._status_line(b"NATS/1.0 409 Message Size Exceeds MaxBytes\r\n\r\n") == \
+    assert raw.parse_headers(want[2][3]) == {"K": "v", "X": "y"}
+    assert raw.status_line(b"NATS/1.0 409 Message Size Exceeds MaxBytes\r\n\r\n") == \
         "409 Message Size Exceeds MaxBytes"
