@@ -133,8 +133,8 @@ def parse_headers(block: bytes) -> dict:
     out: dict = {}
     for line in block.decode("utf-8", "replace").split("\r\n")[1:]:
         k, sep, v = line.partition(":")
-        if sep and k not in out:
-            out[k.strip()] = v.strip()
+        if sep and (k := k.strip()) not in out:
+            out[k] = v.strip()
     return out
 
 
@@ -147,7 +147,7 @@ def status_line(block: bytes) -> str:
 def no_cyclic_gc() -> Iterator[None]:
     """No cyclic garbage collection while a chunk is read (restored after, and at once).
 
-    A chunk is up to ``CHUNK_MSGS`` new tuples kept alive, so the collector ran every 700 of
+    A chunk is up to :data:`isbflow.isb.read.CHUNK_MSGS` new tuples kept alive, so the collector ran every 700 of
     them, and its older generations walk every object of the process (a Spark worker holds
     pyspark, pyarrow and pandas). Measured on 200K events of ~140 B in one process holding
     those imports (four interleaved rounds, medians): 195K msg/s with collection on, 271K
