@@ -394,10 +394,10 @@ def delta_commits(table: str) -> list[dict]:
 
 def sink_rows(table: str) -> int:
     """Rows in a Delta table (from the add actions' statistics)."""
-    from deltalake import DeltaTable
+    from isbflow.local.delta import load_table  # lazy: delta-rs loads a native library
 
     try:
-        dt = DeltaTable(table)
+        dt = load_table(table)
     except Exception:  # no table (nothing committed)
         return 0
     return int(pc.sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records")).as_py() or 0)
@@ -406,9 +406,9 @@ def sink_rows(table: str) -> int:
 def raw_sink_check(table: str, expected: set[str]) -> dict:
     """Whether a raw sink holds exactly ``expected`` ``_isb_id`` s, none twice (the recovery tests'
     ``assert_raw_exact``, as figures): rows, expected, duplicates, missing, unexpected, exact."""
-    from deltalake import DeltaTable
+    from isbflow.local.delta import load_table  # lazy: delta-rs loads a native library
 
-    ids = DeltaTable(table).to_pyarrow_table(columns=["_isb_id"]).column("_isb_id").to_pylist()
+    ids = load_table(table).to_pyarrow_table(columns=["_isb_id"]).column("_isb_id").to_pylist()
     seen = set(ids)
     out = {"rows": len(ids), "expected": len(expected), "duplicates": len(ids) - len(seen),
            "missing": len(expected - seen), "unexpected": len(seen - expected),

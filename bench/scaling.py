@@ -73,11 +73,10 @@ def good_count(records: int) -> int:
 
 def measure(workers: int, records: int, work: Path, memory: str) -> dict:
     """One configuration from scratch: NATS, cluster, produce, run, check, stop."""
-    from deltalake import DeltaTable
-
     from isbflow.isb import provision, reference
     from isbflow.isb.connect import resolve_settings
     from isbflow.isb.server import start_embedded, stop_embedded
+    from isbflow.local.delta import load_table
     from isbflow.ops.produce import produce
     from isbflow.platform.standalone import start_standalone, stop_standalone
     from isbflow.spec import load_specs
@@ -111,7 +110,7 @@ def measure(workers: int, records: int, work: Path, memory: str) -> dict:
             raise RuntimeError(f"pipeline run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         result = json.loads(proc.stdout)
         apps = cluster.master_state().get("completedapps", [])
-        raw = DeltaTable(str(data_dir / "sinks" / "logs" / "raw")).to_pyarrow_table(columns=["_isb_id"])
+        raw = load_table(str(data_dir / "sinks" / "logs" / "raw")).to_pyarrow_table(columns=["_isb_id"])
         ids = raw.column("_isb_id")
         expected = good_count(records)
         seconds = float(result["seconds"])

@@ -347,11 +347,12 @@ def delta_history_until(path: str, version: int | None) -> PartitionRanges:
     """:func:`history_offsets` of the Delta table at ``path`` (``{}`` without a table)."""
     # lazy: delta-rs (a 134 MB native library) loads only where a Delta table is read, not in the
     # CLI or Airflow's DAG parsing, which import isb/
-    from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
+    from isbflow.local.delta import load_table
+
     try:
-        history = DeltaTable(path).history()
+        history = load_table(path).history()
     except TableNotFoundError:
         return {}
     return history_offsets(history, version)

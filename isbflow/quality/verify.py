@@ -37,11 +37,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
+from isbflow.local.delta import load_table
 from isbflow.sinks.delta_log import ForeignCommit, replay_claims, subtract
 
 __all__ = ["ForeignCommit", "Verification", "VerifyError", "verify_table"]
@@ -132,7 +132,7 @@ def verify_table(path: str | Path) -> Verification:
     """The proof for the Delta table at ``path`` (module docstring)."""
     root = Path(path)
     try:
-        table = DeltaTable(str(root))
+        table = load_table(str(root))
     except TableNotFoundError:
         raise VerifyError(f"no Delta table at {root}: the sink has not committed a batch yet") from None
     names = [f.name for f in table.schema().fields]

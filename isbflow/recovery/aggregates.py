@@ -51,12 +51,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake import CommitProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
 from isbflow.isb.ledger import ID_COLUMN
+from isbflow.local.delta import load_table
 from isbflow.sinks.delta import check_schema, delta_arrow_schema, merge_upsert
 from isbflow.sinks.tables import (
     SinkTableError,
@@ -250,7 +251,7 @@ def recompute_windows(spark, runner_or_pipeline: Any, sink: str, data_dir: str |
     metadata = {"isb.raw_sink": raw_name, "isb.raw_version": raw_version,
                 "isb.windows_filter": _describe(windows_filter), "isb.rows": rows.num_rows}
     try:
-        table = DeltaTable(path)
+        table = load_table(path)
     except TableNotFoundError:
         table = None
     partition_by = list(table.metadata().partition_columns) if table is not None else []

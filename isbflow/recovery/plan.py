@@ -179,11 +179,12 @@ def _table_columns(path: str) -> list[tuple[str, bool]] | None:
     """(column, is a dimension) of the sink's Delta table (None: no table). Dimensions are the
     non-numeric columns, as :func:`isbflow.recovery.job.dimension_columns` counts them."""
     # lazy: deltalake (~0.25 s) stays out of recovery.plan's own imports; only reading a sink's table needs it
-    from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
+    from isbflow.local.delta import load_table
+
     try:
-        schema = pa.schema(DeltaTable(path).schema().to_arrow())  # arro3 -> pyarrow (PyCapsule)
+        schema = pa.schema(load_table(path).schema().to_arrow())  # arro3 -> pyarrow (PyCapsule)
     except TableNotFoundError:
         return None
     numeric = (pt.is_integer, pt.is_floating, pt.is_decimal, pt.is_boolean)

@@ -93,7 +93,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake import Schema as DeltaSchema
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, create_table_with_add_actions
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter
@@ -102,6 +102,7 @@ from pyspark.sql.types import StructType
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
+from isbflow.local.delta import load_table, log_file_vanished
 from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
@@ -125,7 +126,7 @@ from isbflow.sinks.delta_merge import (
 )
 
 _log = logging.getLogger(__name__)
-#: times a batch's append is committed again after a concurrent change of the table's metadata
+#: times a batch's commit is tried again after sink maintenance changed the table under it
 METADATA_RETRIES = 3
 
 
@@ -199,12 +200,20 @@ def commit_batch(
     messages: Iterable[DeltaCommitMessage | None],
     batch_id: int,
 ) -> BatchCommit:
-    """Commit one micro-batch's files in one Delta transaction, at most once per app id."""
+    """Commit one micro-batch's files in one Delta transaction, at most once per app id; again from
+    reading the table when sink maintenance changed it meanwhile (:func:`_again_after_maintenance`:
+    each attempt starts with the app-transaction check, so a commit that landed is never repeated)."""
     msgs = [m for m in messages if m is not None]
+    where = f"{SHORT_NAME} {options.path} (app {options.app_id}, batch {batch_id})"
+    return _again_after_maintenance(lambda: _commit_batch_once(options, msgs, batch_id, where), where)
+
+
+def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage], batch_id: int,
+                       where: str) -> BatchCommit:
+    """One attempt of :func:`commit_batch`, on the table as it is now."""
     actions = [a for m in msgs for a in m.actions]
     offsets = ledger.union(*(m.offsets or {} for m in msgs))
     rows = sum(json.loads(a.stats)["numRecords"] for a in actions)
-    where = f"{SHORT_NAME} {options.path} (app {options.app_id}, batch {batch_id})"
     table = open_table(options.path)
     done = table.transaction_version(options.app_id) if table else None
     if done is not None and done >= batch_id:
@@ -239,7 +248,7 @@ def commit_batch(
     _commit_files(options, table, actions, schema, metadata, batch_id, where)
     # Attempts that failed before this batch succeeded may have left files behind.
     _clean_up(options, batch_id, offsets, where, committed=[a.path for a in actions])
-    return BatchCommit(batch_id, DeltaTable(options.path).version(), len(actions), rows)
+    return BatchCommit(batch_id, load_table(options.path).version(), len(actions), rows)
 
 
 def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: list[AddAction],
@@ -275,22 +284,26 @@ def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: 
             commit_properties=props,
         )
 
-    first = [table]  # the table the replay check read, then a fresh read per attempt
-    _again_on_new_metadata(lambda: append(first.pop() if first else DeltaTable(options.path)), where)
+    append(table)
 
 
-def _again_on_new_metadata(commit, where: str):
-    """``commit()``, called again (up to :data:`METADATA_RETRIES` times) when it failed because a
-    table property changed meanwhile (sink maintenance setting the log retention: a metadata
-    commit fails every concurrent commit with "Metadata changed"). A batch's append or merge does
-    not depend on the properties; each attempt reads the table again, schema checks included."""
+def _again_after_maintenance(commit, where: str):
+    """``commit()``, called again (up to :data:`METADATA_RETRIES` times) when sink maintenance
+    changed the table under it: a property change (setting the log retention: a metadata commit
+    fails every concurrent commit with "Metadata changed"), or a trimmed log (the commits after the
+    attempt's snapshot that the conflict check reads were folded and removed: "Invalid table
+    version: N", CI stop 29's soak; :mod:`isbflow.local.delta`). Neither failure wrote anything. A
+    batch's append or merge does not depend on what maintenance changes; each attempt reads the
+    table again, schema checks included."""
     for attempt in range(METADATA_RETRIES + 1):
         try:
             return commit()
-        except CommitFailedError as e:
-            if "Metadata changed" not in str(e) or attempt == METADATA_RETRIES:
+        except DeltaError as e:
+            changed = isinstance(e, CommitFailedError) and "Metadata changed" in str(e)
+            if not (changed or log_file_vanished(e)) or attempt == METADATA_RETRIES:
                 raise
-            _log.info("%s: the table's metadata changed during the commit (%s); committing again", where, e)
+            _log.info("%s: sink maintenance changed the table during the commit (%s); committing again",
+                      where, e)
     raise AssertionError("unreachable")
 
 
@@ -303,15 +316,12 @@ def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: p
         batch, superseded = latest_per_key(batch, options.merge_key, options.version_column,
                                            where=where)
     if options.mode == "upsert":
-        up = _again_on_new_metadata(lambda: merge_upsert(
-            options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
-            metadata=metadata, partition_by=options.partition_by), where)
+        up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
+                          metadata=metadata, partition_by=options.partition_by)
         written, version = up.updated + up.inserted, up.version
     else:
-        merged = _again_on_new_metadata(lambda: merge_insert_missing(
-            options.path, batch, key=options.merge_key, app_id=options.app_id,
-            version=batch_id, metadata=metadata, partition_by=options.partition_by,
-        ), where)
+        merged = merge_insert_missing(options.path, batch, key=options.merge_key, app_id=options.app_id,
+                                      version=batch_id, metadata=metadata, partition_by=options.partition_by)
         written, version = merged.inserted, merged.version
     dropped = superseded if options.mode == "upsert" else rows - written
     return BatchCommit(batch_id, version, 0, written, dropped=dropped)

@@ -61,11 +61,12 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from deltalake import CommitProperties, DeltaTable
+from deltalake import CommitProperties
 from deltalake.exceptions import CommitFailedError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
+from isbflow.local.delta import load_table
 
 _log = logging.getLogger(__name__)
 
@@ -252,12 +253,12 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
     table at ``path`` into one commit; the last version the fold covers. Run it before a vacuum that
     may delete files a reprocess or foreign commit touched (verify's claim reads them)."""
     check_log_retention(retention_hours, force)
-    table = DeltaTable(path)
+    table = load_table(path)
     wanted = retention_properties(retention_hours)
     if any(table.metadata().configuration.get(k) != v for k, v in wanted.items()):
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
-    table = DeltaTable(path)
+    table = load_table(path)
     version = table.version()
     history = table.history()
     try:
@@ -275,7 +276,7 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
         try:
             # the fold's commit on the newest table: what it covers is through ``version`` whatever
             # version it lands at (commits after it stay in the log; trim_log keeps them)
-            latest = DeltaTable(path)
+            latest = load_table(path)
             latest.create_write_transaction([], mode="append", schema=latest.schema(),
                                             partition_by=list(latest.metadata().partition_columns) or None,
                                             commit_properties=CommitProperties(custom_metadata=fold))
@@ -293,7 +294,7 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
 def trim_log(path: str, folded_through: int) -> None:
     """Step 3 of the module docstring: checkpoint at ``folded_through + 1`` and remove the log files
     before it that are older than the table's log retention (all covered by the fold)."""
-    at = DeltaTable(path, version=folded_through + 1)  # the fold or a commit after V: all before it are folded
+    at = load_table(path, version=folded_through + 1)  # the fold or a commit after V: all before it are folded
     at.create_checkpoint()
     at.cleanup_metadata()
 

@@ -31,6 +31,7 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import TableNotFoundError
 
 from isbflow.isb.ledger import ID_COLUMN
+from isbflow.local.delta import load_table
 from isbflow.sinks.delta_files import (
     IDENTIFIER,
     DeltaSchemaMismatch,
@@ -49,7 +50,7 @@ REPLACE_OP_COLUMN = "__isb_replace_op"
 def open_table(path: str) -> DeltaTable | None:
     """The Delta table at ``path``, or ``None`` when there is none (yet)."""
     try:
-        return DeltaTable(path)
+        return load_table(path)
     except TableNotFoundError:
         return None
 
@@ -207,7 +208,7 @@ def merge_insert_missing(
     if delta is None:
         write_deltalake(path, table, mode="append", commit_properties=props,
                         partition_by=list(partition_by) or None, configuration=TABLE_CONFIGURATION)
-        return MergeResult(DeltaTable(path).version(), table.num_rows)
+        return MergeResult(load_table(path).version(), table.num_rows)
     check_schema(delta, table.schema, f"merge into {path}")
     metrics = (
         delta.merge(table, predicate=key_predicate(keys, null_safe=False), source_alias="s",
@@ -215,7 +216,7 @@ def merge_insert_missing(
         .when_not_matched_insert_all()
         .execute()
     )
-    return MergeResult(DeltaTable(path).version(), int(metrics.get("num_target_rows_inserted", 0)))
+    return MergeResult(load_table(path).version(), int(metrics.get("num_target_rows_inserted", 0)))
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def merge_upsert(
     if delta is None:
         write_deltalake(path, table, mode="append", commit_properties=props,
                         partition_by=list(partition_by) or None, configuration=TABLE_CONFIGURATION)
-        return UpsertResult(DeltaTable(path).version(), 0, table.num_rows)
+        return UpsertResult(load_table(path).version(), 0, table.num_rows)
     names = [f.name for f in delta.schema().fields]
     if sorted(names) == sorted(table.column_names):
         table = table.select(names)  # the table's column order; types are checked next
@@ -267,7 +268,7 @@ def merge_upsert(
         .when_not_matched_insert_all()
         .execute()
     )
-    return UpsertResult(DeltaTable(path).version(), int(metrics.get("num_target_rows_updated", 0)),
+    return UpsertResult(load_table(path).version(), int(metrics.get("num_target_rows_updated", 0)),
                         int(metrics.get("num_target_rows_inserted", 0)))
 
 
@@ -290,7 +291,7 @@ def replace_range(path: str, table: pa.Table, predicate: str) -> int:
             custom_metadata={"isb.operation": "replace_range", "isb.predicate": predicate}
         ),
     )
-    return DeltaTable(path).version()
+    return load_table(path).version()
 
 
 @dataclass(frozen=True)
@@ -382,6 +383,6 @@ def replace_keys(
         .when_not_matched_insert_all(predicate=f"{op} = 'u'", except_cols=[REPLACE_OP_COLUMN])
         .execute()
     )
-    return ReplaceResult(DeltaTable(path).version(), int(metrics.get("num_target_rows_deleted", 0)),
+    return ReplaceResult(load_table(path).version(), int(metrics.get("num_target_rows_deleted", 0)),
                          int(metrics.get("num_target_rows_updated", 0)),
                          int(metrics.get("num_target_rows_inserted", 0)))

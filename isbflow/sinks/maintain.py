@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from isbflow.local.delta import load_table
 from isbflow.sinks.delta_files import DeltaSinkError
 from isbflow.sinks.delta_log import (
     DEFAULT_LOG_RETENTION_HOURS,
@@ -154,7 +155,7 @@ def _on_fresh_snapshot(what: str, table: DeltaTable, action: Callable[[DeltaTabl
                 raise MaintenanceError(f"{what} {table.table_uri} failed {attempts} times on concurrent "
                                        f"commits ({e}); nothing was changed, run it again") from e
             sleep(0.5 * n)
-            table = DeltaTable(table.table_uri)
+            table = load_table(table.table_uri)
         except Exception as e:  # delta-rs raises its own DeltaError kinds
             raise MaintenanceError(f"{what} {table.table_uri} failed ({e}); run it again") from e
     raise AssertionError("unreachable")
@@ -177,12 +178,12 @@ def maintain_table(path: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *,
                            log_files_before=log_files(path))
     if not dry_run:
         out.folded_through = _log_step(path, fold_log, path, log_retention_hours, force=force)
-        out.compacted = compact_table(DeltaTable(path), target_size)
-        table = DeltaTable(path)
+        out.compacted = compact_table(load_table(path), target_size)
+        table = load_table(path)
     out.vacuumed = vacuum_table(table, retention_hours, dry_run, force)
     if not dry_run:
         _log_step(path, trim_log, path, out.folded_through)
-        table = DeltaTable(path)
+        table = load_table(path)
     out.version_after, out.files_after = table.version(), len(table.file_uris())
     out.log_files_after = log_files(path)
     return out

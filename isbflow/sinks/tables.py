@@ -64,12 +64,13 @@ def fallback_offsets(pipeline: Pipeline, sink: str, data_dir: str | Path) -> tup
         except PostgresSinkError as e:
             raise SinkTableError(f"the fallback of sink {sink!r}: {e}") from None
     else:
-        from deltalake import DeltaTable  # lazy: delta-rs loads a native library
-        from deltalake.exceptions import TableNotFoundError
+        from deltalake.exceptions import TableNotFoundError  # lazy: delta-rs loads a native library
+
+        from isbflow.local.delta import load_table
 
         path = Path(fb.delta.path)
         try:
-            table = DeltaTable(str(path if path.is_absolute() else Path(data_dir).absolute() / path))
+            table = load_table(str(path if path.is_absolute() else Path(data_dir).absolute() / path))
         except TableNotFoundError:
             return {}, 0
         dataset = table.to_pyarrow_dataset()
@@ -104,11 +105,12 @@ def read_postgres(spark, pipeline: Pipeline, sink: str, data_dir: str | Path):
 
 def read_version(spark, path: str):
     """(DataFrame of the table's current version, version, that commit's metadata)."""
-    from deltalake import DeltaTable  # lazy: delta-rs loads a native library
-    from deltalake.exceptions import TableNotFoundError
+    from deltalake.exceptions import TableNotFoundError  # lazy: delta-rs loads a native library
+
+    from isbflow.local.delta import load_table
 
     try:
-        table = DeltaTable(path)
+        table = load_table(path)
     except TableNotFoundError:
         raise SinkTableError(f"no Delta table at {path}: the sink has not committed a batch yet; "
                              "run the pipeline first") from None

@@ -182,14 +182,19 @@ def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_m
     commit(opts, 0, 1, 10)
     assert DeltaTable(path).metadata().configuration == TABLE_CONFIGURATION  # the default's: nothing to change
 
-    def stale(p):  # the batch's commit reads the table, then maintenance sets another log retention
+    calls = []
+
+    def stale(p):  # the batch's commit reads the table, then maintenance sets another log retention (once)
         table = DeltaTable(p)
-        DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        if not calls:
+            DeltaTable(p).alter.set_table_properties(retention_properties(0))
+        calls.append(p)
         return table
 
     monkeypatch.setattr(delta_commit, "open_table", stale)
     done = commit(opts, 1, 11, 10)
     assert done.rows == 10 and done.version == 2  # 1: the properties; its first attempt failed, "Metadata changed"
+    assert len(calls) == 2  # the whole commit again, from reading the table
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 21))
     assert DeltaTable(path).transaction_version(APP) == 1
 
@@ -236,6 +241,36 @@ def test_an_upsert_commit_goes_on_when_maintenance_changes_the_table_properties_
     assert done.rows == 10 and len(calls) >= 2  # read again after "Metadata changed"
     assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, 16))
     assert DeltaTable(path).transaction_version(APP) == 1
+
+
+@pytest.mark.parametrize("mode", ["append", "upsert"])
+def test_a_stream_commit_goes_on_when_maintenance_trims_the_log_under_it(tmp_path, monkeypatch, mode):
+    """CI stop 29: the soak's upsert step ``agg`` died with "Invalid table version: 4": its commit's
+    snapshot was older than the checkpoint the maintenance had just written, and the commits after
+    that snapshot, which the conflict check reads, were folded and removed (log retention 0)."""
+    from isbflow.sinks import delta_commit, delta_merge
+    from isbflow.sinks.delta_log import bound_log
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP, "mode": mode, "mergeKey": "_isb_id"})
+    commit(opts, 0, 1, 10)
+    calls = []
+
+    def stale(p):  # the batch's commit reads the table, then maintenance folds and trims the log (once)
+        table = DeltaTable(p)
+        if not calls:
+            bound_log(p, 0, force=True)
+            assert not os.path.exists(os.path.join(p, "_delta_log", f"{table.version():020d}.json"))
+        calls.append(p)
+        return table
+
+    monkeypatch.setattr(delta_commit if mode == "append" else delta_merge, "open_table", stale)
+    done = commit(opts, 1, 6, 10)
+    assert done.rows == 10
+    want = list(range(1, 16)) if mode == "upsert" else list(range(1, 11)) + list(range(6, 16))
+    assert sorted(read_sink(path).column("v").to_pylist()) == sorted(want)
+    assert DeltaTable(path).transaction_version(APP) == 1
+    assert ledger.from_delta_history(path) == {"in/0": [[1, 15]]}
 
 
 def test_compaction_conflicting_with_a_concurrent_rewrite_runs_again_on_the_new_snapshot(tmp_path):

@@ -1,0 +1,55 @@
+"""Delta tables on this machine, loaded while their log is being bounded.
+
+Loading a Delta table (delta-rs ``DeltaTable(path)``) reads ``_last_checkpoint``,
+lists ``_delta_log`` and then reads the checkpoint and the commits after it.
+Sink maintenance (``isbflow sink maintain``, :func:`isbflow.sinks.delta_log.trim_log`)
+writes a new checkpoint and removes the log files and the checkpoint before it.
+A load that listed the log before the removal then fails on a file that was
+there a moment ago: "File not found: .../_delta_log/...json", "Object at location
+.../...checkpoint.parquet not found", "Invalid table version: 4" (CI, stop 29:
+the soak's ``agg`` step died on it at the maintenance of its sink; measured
+alone, 35 of 661 loads failed while a writer checkpointed and cleaned every 5
+commits). Nothing is lost: the table is whole at its new checkpoint, so
+:func:`load_table` loads again, which lists the log anew.
+
+A version that really is gone (time travel past the log's retention) fails the
+same way on every attempt and is raised after :data:`LOAD_ATTEMPTS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+_log = logging.getLogger(__name__)
+
+#: loads tried when a log file vanished under the load (module docstring)
+LOAD_ATTEMPTS = 5
+#: what delta-rs says when a file the load listed is gone
+_VANISHED = ("File not found", "not found", "Invalid table version")
+
+
+def log_file_vanished(error: BaseException) -> bool:
+    """``error`` is a load that met a log file or checkpoint removed under it (module docstring)."""
+    if isinstance(error, TableNotFoundError) or not isinstance(error, DeltaError):
+        return False
+    text = str(error)
+    return "Invalid table version" in text or ("_delta_log" in text and any(v in text for v in _VANISHED))
+
+
+def load_table(path: str, version: int | None = None) -> DeltaTable:
+    """``DeltaTable(path, version)``, loaded again when sink maintenance removed a log file the load
+    had listed (module docstring). :class:`TableNotFoundError` and every other error are raised as
+    they come."""
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            return DeltaTable(path, version=version)
+        except DeltaError as e:
+            if attempt == LOAD_ATTEMPTS or not log_file_vanished(e):
+                raise
+            _log.info("%s: a log file vanished under the load (%s); loading again", path, e)
+            time.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")

@@ -1,0 +1,89 @@
+"""Delta tables loaded while sink maintenance trims their log (isbflow.local.delta), on real tables."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from isbflow.local import delta
+from isbflow.local.delta import load_table, log_file_vanished
+
+#: log files removed at once: what maintenance with a log retention of 0 does (the soak's, CI stop 29)
+TRIMMED = {"delta.logRetentionDuration": "interval 0 seconds", "delta.enableExpiredLogCleanup": "false"}
+
+
+def _trim(path: str) -> None:
+    at = DeltaTable(path)
+    at.create_checkpoint()
+    at.cleanup_metadata()
+
+
+def test_loads_beside_a_writer_that_trims_the_log_never_fail(tmp_path):
+    """A thread loads the table over and over while the main thread appends and, every 3 commits,
+    checkpoints and removes the log before the checkpoint. Bare ``DeltaTable(path)`` failed 35 of 661
+    loads in this race ("File not found", "checkpoint.parquet not found"); :func:`load_table` none."""
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"a": [0]}), configuration=TRIMMED)
+    stop, loads, errors = threading.Event(), [], []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                loads.append(load_table(path).version())
+            except Exception as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(repr(e))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(1, 121):
+            write_deltalake(path, pa.table({"a": [i]}), mode="append")
+            if i % 3 == 0:
+                _trim(path)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not errors, errors[:5]
+    assert len(loads) > 50 and loads == sorted(loads)  # a load never goes back in time
+    assert load_table(path).to_pyarrow_table().num_rows == 121
+
+
+def test_what_a_trimmed_log_raises_is_told_apart_and_loaded_again_a_bounded_number_of_times(tmp_path, monkeypatch):
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"a": [0]}), configuration=TRIMMED)
+    stale = DeltaTable(path)  # a snapshot from before the trim
+    write_deltalake(path, pa.table({"a": [1]}), mode="append")
+    _trim(path)
+    raised = []
+    for use in (lambda: stale.transaction_version("app"),  # read lazily: "File not found: .../0.json"
+                lambda: write_deltalake(stale, pa.table({"a": [2]}), mode="append")):  # "Invalid table version: 0"
+        with pytest.raises(DeltaError) as e:
+            use()
+        raised.append(e.value)
+    assert all(log_file_vanished(e) for e in raised), raised
+    assert not log_file_vanished(TableNotFoundError("no table")) and not log_file_vanished(ValueError("not found"))
+
+    tries = []
+    real = delta.DeltaTable
+    monkeypatch.setattr(delta.time, "sleep", lambda s: None)
+    monkeypatch.setattr(delta, "DeltaTable", lambda *a, **k: tries.append(a) or real(*a, **k))
+    with pytest.raises(TableNotFoundError):  # a version the log no longer holds: at once
+        load_table(path, 0)
+    with pytest.raises(TableNotFoundError):  # no table at all: at once
+        load_table(str(tmp_path / "none"))
+    assert len(tries) == 2
+
+    def vanishing(*a, **k):
+        tries.append(a)
+        raise raised[1]
+    tries.clear()
+    monkeypatch.setattr(delta, "DeltaTable", vanishing)
+    with pytest.raises(DeltaError, match="Invalid table version"):  # still gone after every attempt: raised
+        load_table(path)
+    assert len(tries) == delta.LOAD_ATTEMPTS
+    monkeypatch.setattr(delta, "DeltaTable", real)
+    assert load_table(path).version() == 1
