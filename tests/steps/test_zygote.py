@@ -46,6 +46,25 @@ def test_a_forked_child_gets_the_launchers_argv_environment_directory_streams_an
     assert "to stderr" in r.stderr
 
 
+def test_a_child_leaves_out_sparks_own_copies_of_pyspark_from_its_import_path(zyg, tmp_path):
+    """Spark's PYTHONPATH names pyspark.zip, py4j's zip and the spark-core jar (pyspark's sources again):
+    copies of what the zygote imported, whose directories zipimport would hold in every child."""
+    import pyspark
+
+    root = Path(pyspark.__file__).parent
+    spark_own = [str(p) for p in (*sorted((root / "python" / "lib").glob("*.zip")), *sorted((root / "jars").glob("spark-core_*.jar")))]
+    assert len(spark_own) == 3, spark_own
+    user_zip = tmp_path / "deps.zip"  # what a user ships (--py-files): kept
+    user_zip.write_bytes(b"")
+    env = probe_env(PYTHONPATH=os.pathsep.join([*spark_own, str(ROOT), str(user_zip)]))
+    r = subprocess.run([zyg.launcher, "-m", PROBE, "0"], input="\n", capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=WAIT)
+    assert r.returncode == 0, r.stderr
+    path = json.loads(r.stdout)["sys_path"]
+    assert path[0] == str(tmp_path) and str(user_zip) in path and str(ROOT) in path, path
+    assert not set(spark_own) & set(path), path
+
+
 def test_a_signal_to_the_launcher_reaches_the_child(zyg, tmp_path):
     """Spark stops a Python process by signalling the one it started: the launcher."""
     p = subprocess.Popen([zyg.launcher, "-m", PROBE, "wait"], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
