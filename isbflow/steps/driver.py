@@ -74,6 +74,14 @@ def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]
     return {n: src[n] for n in names if n in src}
 
 
+#: glibc's malloc arenas for a driver's processes (``MALLOC_ARENA_MAX``; a user's value is kept). glibc
+#: gives each thread that contends for malloc an arena of its own, up to 8 per core, and each keeps
+#: its freed memory: the driver JVM runs ~420 threads (Spark's block-manager pools alone hold 200)
+#: and held 83 MiB in 16 arenas on the demo; with 2, 61 MiB in 2, and the driver tree's PSS mean
+#: fell 1,256 -> 1,237 MiB at the same CPU (bench/cost.py, 100 events/s, one run each).
+MALLOC_ARENAS = "2"
+
+
 def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path | None = None,
                base: dict[str, str] | None = None, pipeline: Pipeline | None = None) -> dict[str, str]:
     """The driver's environment: ``base`` (default ``os.environ``) without Airflow's and NATS's
@@ -90,6 +98,7 @@ def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path
         "PATH": str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
         "PYTHONUNBUFFERED": "1",
     })
+    env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
     if workdir is not None:  # user transforms (spark_apps/) import from there
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(workdir).absolute()),
                                                         env.get("PYTHONPATH")) if p)

@@ -19,6 +19,7 @@ from isbflow.sinks.delta import DeltaSinkDataSource
 from isbflow.spec import transforms
 from isbflow.spec.paths import DataDir
 from isbflow.steps import zygote
+from isbflow.steps.driver import MALLOC_ARENAS
 from isbflow.steps.restart import StepError
 
 
@@ -108,17 +109,24 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
         b = b.config(IDLE_WORKERS_CONF, str(slots))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
-    real = {k: os.environ[k] for k in PYTHON_EXECUTABLES}
+    real = {k: os.environ.get(k) for k in (*PYTHON_EXECUTABLES, "MALLOC_ARENA_MAX")}
     if SparkContext._active_spark_context is None:
+        # the JVM and the zygote start now, with their malloc arenas bounded (a user's value kept;
+        # a launched driver has it from its environment already: MALLOC_ARENAS)
+        os.environ.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         # Spark reads its Python executables when the context starts (the driver's for its data
         # source lookups): the zygote's launcher then (Python processes forked warm,
         # :mod:`isbflow.steps.zygote`); the environment is put back so processes this driver
         # starts later see the real Python
-        os.environ.update({k: zygote.launcher_for(v) for k, v in real.items()})
+        os.environ.update({k: zygote.launcher_for(os.environ[k]) for k in PYTHON_EXECUTABLES})
     try:
         spark = b.getOrCreate()
     finally:
-        os.environ.update(real)
+        for k, v in real.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     quiet_trigger_warnings(spark)
     register_sources(spark)
     return spark

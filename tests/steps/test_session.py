@@ -53,3 +53,23 @@ def test_spark_keeps_one_idle_python_worker_per_task_slot(spark):
     assert spark.sparkContext.getConf().get(IDLE_WORKERS_CONF) == str(task_slots(spark.sparkContext.master))
     assert [task_slots(m) for m in ("local", "local[2]", "local[3,2]", "spark://h:7077")] == [1, 2, 3, None]
     assert task_slots("local[*]") >= 1
+
+
+def test_the_jvm_and_a_launched_driver_run_with_bounded_malloc_arenas(spark, monkeypatch, tmp_path):
+    """Spark's JVM (and the zygote) start with ``MALLOC_ARENA_MAX`` (a user's value kept); this
+    process's environment is put back; a launched driver's environment carries it for its tree."""
+    import os
+
+    from pyspark import SparkContext
+
+    from isbflow.isb.connect import NatsSettings
+    from isbflow.steps.driver import MALLOC_ARENAS, driver_env
+
+    jvm_pid = SparkContext._gateway.proc.pid
+    env = dict(v.split("=", 1) for v in open(f"/proc/{jvm_pid}/environ").read().split("\0") if "=" in v)
+    assert env.get("MALLOC_ARENA_MAX") == os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS), env.get("MALLOC_ARENA_MAX")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    settings = NatsSettings(servers=("nats://127.0.0.1:4222",))
+    assert driver_env(settings, tmp_path)["MALLOC_ARENA_MAX"] == MALLOC_ARENAS
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert driver_env(settings, tmp_path)["MALLOC_ARENA_MAX"] == "4"
