@@ -60,12 +60,17 @@ def driver_conf() -> dict[str, str]:
     return {"spark.driver.extraJavaOptions": options} if options else {}
 
 
-#: How many idle Python workers of a kind (UDF, data source read, write, ...) Spark keeps for reuse:
-#: one per task slot (:func:`task_slots`), instead of every worker it ever started. Measured on the
-#: demo (in-process runner, 100 events/s, 5 s trigger, the driver JVM options above, PSS mean over
-#: 110 s, one run each): Spark's Python processes held 499 MiB (33 processes) unbounded, 429 MiB (31)
-#: with 2 per kind, 391 MiB (30) with 1 per kind; CPU of the tree 53.8%, 51.0%, 55.5% of a core.
-#: One per slot keeps a worker for each task that can run at once, so steady batches fork none.
+#: How many idle Python workers of a kind (UDF, data source read, write, ...) Spark keeps for reuse on a
+#: local master (:func:`task_slots` says it is one), instead of every worker it ever started: one.
+#: Measured on the demo (in-process runner, 100 events/s, 5 s trigger, the driver JVM options above,
+#: PSS mean over 110 s, one run each): Spark's Python processes held 499 MiB (33 processes)
+#: unbounded, 429 MiB (31) with 2 per kind, 391 MiB (30) with 1 per kind; CPU of the tree 53.8%,
+#: 51.0%, 55.5% of a core. Then on the launched demo (``bench/cost.py --rates 100 --window 120
+#: --warmup 60``, one run each): the driver tree's PSS mean 1,237 MiB with 2 per kind (one per task
+#: slot of ``local[2]``), 1,194 MiB with 1, at 0.391 and 0.401 of a core. With one, a batch running
+#: two tasks of a kind at once forks the second worker from Spark's daemon (warm: it was forked from
+#: the zygote) and ends it after the task.
+IDLE_WORKERS = 1
 IDLE_WORKERS_CONF = "spark.python.factory.idleWorkerMaxPoolSize"
 
 
@@ -105,8 +110,8 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.ui.killEnabled", "false")
          .config("spark.hadoop.fs.permissions.umask-mode", "077")
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER))
-    if (slots := task_slots(master)) is not None:
-        b = b.config(IDLE_WORKERS_CONF, str(slots))
+    if task_slots(master) is not None:
+        b = b.config(IDLE_WORKERS_CONF, str(IDLE_WORKERS))
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     real = {k: os.environ.get(k) for k in (*PYTHON_EXECUTABLES, "MALLOC_ARENA_MAX")}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import runpy
 import selectors
@@ -23,13 +22,13 @@ import traceback
 
 import pyspark
 
-from isbflow.steps.zygote import PRELOAD
+from isbflow.steps.zygote import PRELOAD, decode_request
 
 MAX_REQUEST = 1 << 20
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One length-prefixed JSON request and the three descriptors sent with it."""
+    """One length-prefixed request and the three descriptors sent with it."""
     data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 3)
     if len(fds) != 3 or len(data) < 4:
         for fd in fds:
@@ -44,7 +43,12 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
         if not chunk:
             raise ValueError("the launcher went away mid-request")
         body += chunk
-    return json.loads(body), fds
+    try:
+        return decode_request(body), fds
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _spark_archives() -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import pytest
 from isbflow.steps.session import (
     CHECKPOINT_FILE_MANAGER,
     DRIVER_JAVA_OPTIONS,
+    IDLE_WORKERS,
     IDLE_WORKERS_CONF,
     driver_conf,
     task_slots,
@@ -44,13 +45,13 @@ def test_a_pipeline_driver_gets_the_lean_jvm_options_unless_told_otherwise(monke
     assert driver_conf() == {}
 
 
-def test_spark_keeps_one_idle_python_worker_per_task_slot(spark):
-    """The session bounds Spark's idle Python workers per kind to its task slots, under a key
+def test_spark_keeps_one_idle_python_worker_per_kind_on_a_local_master(spark):
+    """The session bounds Spark's idle Python workers per kind to one on a local master, under a key
     Spark itself defines (a misspelt key would be ignored without a word)."""
     jvm = spark.sparkContext._jvm
     assert jvm.org.apache.spark.internal.config.Python.PYTHON_FACTORY_IDLE_WORKER_MAX_POOL_SIZE().key() == \
         IDLE_WORKERS_CONF
-    assert spark.sparkContext.getConf().get(IDLE_WORKERS_CONF) == str(task_slots(spark.sparkContext.master))
+    assert spark.sparkContext.getConf().get(IDLE_WORKERS_CONF) == str(IDLE_WORKERS) == "1"
     assert [task_slots(m) for m in ("local", "local[2]", "local[3,2]", "spark://h:7077")] == [1, 2, 3, None]
     assert task_slots("local[*]") >= 1
 

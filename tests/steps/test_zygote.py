@@ -132,3 +132,31 @@ def test_a_zygote_that_does_not_start_leaves_spark_on_the_real_python(monkeypatc
     assert zygote.launcher_for(str(stuck)) == str(stuck)
     assert "start cold" in caplog.text and "did not start within 0s" in caplog.text
     assert not [p for p in psutil.Process().children(recursive=True) if "sleep" in p.name()]
+
+
+def test_the_launcher_request_round_trips_and_the_launcher_imports_only_c_modules():
+    """The launcher Spark keeps beside every Python process imports no pure-Python module (``json``,
+    ``socket`` and ``signal`` pull in ``re`` and ``enum``: 4.3 against 2.9 MiB of private memory
+    each); its NUL-separated request carries any argument, value and path there can be."""
+    import ast
+
+    tree = ast.parse(zygote.LAUNCHER.format(real="/x/python", sock="/x/s", forked=("m",)))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in (n.names if isinstance(n, ast.Import) else [ast.alias(n.module or "")])}
+    import importlib.util
+
+    def c_module(name: str) -> bool:  # built in, or an extension module of the standard library
+        spec = importlib.util.find_spec(name)
+        return name in sys.builtin_module_names or bool(spec and spec.origin and spec.origin.endswith(".so"))
+
+    assert imported and all(c_module(m) for m in imported - {"os"}), imported
+    env = {"A": "x=y=z", "EMPTY": "", "ODD": "caf\u00e9 \udcff"}  # '=' in a value; a byte no UTF-8 decodes
+    argv = ["", "-x", "two words", "\udcfe"]
+    f = os.fsencode
+    body = b"\0".join([b"mod.ule", f("/tmp/d ir"), b"%d" % len(argv), *map(f, argv),
+                       *(f(k) + b"=" + f(v) for k, v in env.items())])
+    assert zygote.decode_request(body) == {"module": "mod.ule", "cwd": "/tmp/d ir", "argv": argv, "env": env}
+    assert zygote.decode_request(b"m\0/\x000") == {"module": "m", "cwd": "/", "argv": [], "env": {}}
+    for bad in (b"", b"m\0/", b"m\0/\0x", b"m\0/\x003\0a", b"m\0/\x000\0NOEQUALS", b"m\0/\x000\0=v"):
+        with pytest.raises(ValueError):
+            zygote.decode_request(bad)
