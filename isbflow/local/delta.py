@@ -28,16 +28,14 @@ _log = logging.getLogger(__name__)
 
 #: loads tried when a log file vanished under the load (module docstring)
 LOAD_ATTEMPTS = 5
-#: what delta-rs says when a file the load listed is gone
-_VANISHED = ("File not found", "not found", "Invalid table version")
-
-
 def log_file_vanished(error: BaseException) -> bool:
-    """``error`` is a load that met a log file or checkpoint removed under it (module docstring)."""
+    """``error`` is a load or commit that met a log file or checkpoint removed under it (module
+    docstring: "File not found: .../_delta_log/...", "Object at location .../_delta_log/... not
+    found", "Invalid table version: N")."""
     if isinstance(error, TableNotFoundError) or not isinstance(error, DeltaError):
         return False
     text = str(error)
-    return "Invalid table version" in text or ("_delta_log" in text and any(v in text for v in _VANISHED))
+    return "Invalid table version" in text or ("_delta_log" in text and "not found" in text)
 
 
 def load_table(path: str, version: int | None = None) -> DeltaTable:

@@ -51,17 +51,16 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
-def _spark_archives() -> tuple[str, ...]:
-    """The directories of the installed pyspark whose archives Spark puts on its Python processes'
-    PYTHONPATH (its ``sparkPythonPath``: ``python/lib/pyspark.zip``, py4j's zip, the spark-core jar,
-    which holds pyspark's sources again): copies of the pyspark and py4j this zygote imported."""
-    root = os.path.realpath(os.path.dirname(pyspark.__file__))
-    return (os.path.join(root, "python", "lib") + os.sep, os.path.join(root, "jars") + os.sep)
+_PYSPARK = os.path.realpath(os.path.dirname(pyspark.__file__))
+#: The directories of the installed pyspark whose archives Spark puts on its Python processes'
+#: PYTHONPATH (its ``sparkPythonPath``: ``python/lib/pyspark.zip``, py4j's zip, the spark-core jar,
+#: which holds pyspark's sources again): copies of the pyspark and py4j this zygote imported.
+SPARK_ARCHIVES = (os.path.join(_PYSPARK, "python", "lib") + os.sep, os.path.join(_PYSPARK, "jars") + os.sep)
 
 
-def _import_path(pythonpath: str, spark_archives: tuple[str, ...]) -> list[str]:
+def _import_path(pythonpath: str) -> list[str]:
     """The launcher's PYTHONPATH entries a child puts on ``sys.path``: all but Spark's own archives
-    of the installed pyspark (:func:`_spark_archives`). The first import a child makes that is not in
+    of the installed pyspark (:data:`SPARK_ARCHIVES`). The first import a child makes that is not in
     ``sys.modules`` walks them, and zipimport keeps each archive's whole directory, read again by
     every ``importlib.invalidate_caches()`` (Spark's worker setup calls it): 3.8 MiB for the jar's
     5,973 entries, 0.9 MiB for pyspark.zip. Measured on the demo (100 events/s): every source runner
@@ -70,7 +69,7 @@ def _import_path(pythonpath: str, spark_archives: tuple[str, ...]) -> list[str]:
     for entry in pythonpath.split(os.pathsep):
         if not entry or entry in sys.path or entry in out:
             continue
-        if entry.endswith((".zip", ".jar")) and os.path.realpath(entry).startswith(spark_archives):
+        if entry.endswith((".zip", ".jar")) and os.path.realpath(entry).startswith(SPARK_ARCHIVES):
             continue
         out.append(entry)
     return out
@@ -90,9 +89,10 @@ def _child(req: dict, fds: list[int]) -> None:
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
         # the import path a cold ``python -m`` would have: its working directory first, then the
-        # launcher's PYTHONPATH (Spark adds its own entries there), then the zygote's own
+        # launcher's PYTHONPATH (Spark adds its own entries there) less Spark's copies of the
+        # pyspark already imported here (_import_path), then the zygote's own
         sys.path[0] = req["cwd"]
-        sys.path[1:1] = _import_path(req["env"].get("PYTHONPATH", ""), _spark_archives())
+        sys.path[1:1] = _import_path(req["env"].get("PYTHONPATH", ""))
         sys.argv = [req["module"], *req.get("argv", [])]
         # run as __main__ from a fresh module (its imports stay cached); a preloaded copy left in
         # sys.modules would make runpy warn on the runner's stderr
