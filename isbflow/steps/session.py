@@ -18,7 +18,7 @@ from isbflow.connector.source import JetStreamDataSource
 from isbflow.sinks.delta import DeltaSinkDataSource
 from isbflow.spec import transforms
 from isbflow.spec.paths import DataDir
-from isbflow.steps import zygote
+from isbflow.steps import hadoop_fs, zygote
 from isbflow.steps.driver import MALLOC_ARENAS
 from isbflow.steps.restart import StepError
 
@@ -73,6 +73,18 @@ def driver_conf() -> dict[str, str]:
 IDLE_WORKERS = 1
 IDLE_WORKERS_CONF = "spark.python.factory.idleWorkerMaxPoolSize"
 
+#: Classes Spark keeps compiled from the code it generates (Janino), keyed by their source: 500, not
+#: Spark's 100. The demo's seven queries use more than 100 at once (105-109 compiled classes alive,
+#: ~135 with room), so a micro-batch evicted code that a later one compiled again: a new class, which
+#: the JIT then compiled again too. Measured on the demo's driver 1-2 minutes into a run (100 events/s,
+#: ``/proc`` per thread, ``jstat -class``): classes unloaded 93-124 -> 5 per 30 s, the JIT compiler
+#: threads 0.089 -> 0.070 of a core, the JVM 0.338 -> 0.263 (with 1,000; the evicted are the least
+#: recently used, and the live set is used every batch). Code whose source changes every batch (a
+#: watermark's literal in a state store's predicate: ~0.4 new classes a second) still comes and goes,
+#: bounded by the cache. With :mod:`isbflow.steps.hadoop_fs`, the README's *Cost* section has the bench.
+CODEGEN_CACHE_ENTRIES = 500
+CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
+
 
 def task_slots(master: str) -> int | None:
     """Tasks a ``local`` master runs at once (``local``: 1, ``local[N]`` and ``local[N,F]``: N,
@@ -88,13 +100,42 @@ def task_slots(master: str) -> int | None:
 PYTHON_EXECUTABLES = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
 
 
+CLASSPATH_CONF = "spark.driver.extraClassPath"
+LOCAL_FS_CONF = "spark.hadoop.fs.file.impl"
+
+
+def local_fs_conf(conf: dict[str, str]) -> dict[str, str]:
+    """The conf that makes ``file:`` paths go through :data:`isbflow.steps.hadoop_fs.CLASS` (no ``chmod``
+    process per file created), for a local master: its directory on the classpath of the JVM about to
+    start (after a user's ``spark.driver.extraClassPath``), and the class as ``fs.file.impl``. A JVM
+    already running gets the class only when it can load it (and one that ``spark-submit`` started,
+    not yet reachable, does not). Empty when the class cannot be had
+    (:func:`isbflow.steps.hadoop_fs.classpath` says why) or ``conf`` names its own ``fs.file.impl``."""
+    if LOCAL_FS_CONF in conf:
+        return {}
+    if SparkContext._gateway is None:
+        if "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit: its JVM runs already
+            return {}
+        where = hadoop_fs.classpath()
+        if where is None:
+            return {}
+        own = conf.get(CLASSPATH_CONF)
+        return {CLASSPATH_CONF: f"{own}{os.pathsep}{where}" if own else where, LOCAL_FS_CONF: hadoop_fs.CLASS}
+    try:
+        SparkContext._jvm.java.lang.Class.forName(hadoop_fs.CLASS)
+    except Exception:  # noqa: BLE001 - py4j raises its own errors for a class the JVM lacks
+        return {}
+    return {LOCAL_FS_CONF: hadoop_fs.CLASS}
+
+
 def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dict[str, str] | None = None):
     """A SparkSession on loopback with isbflow's data sources registered.
 
     The Spark UI cannot kill stages or jobs (``spark.ui.killEnabled=false``: anyone who reaches
     the UI port could), Hadoop writes checkpoints with the umask 077 (owner only, like the
     data dir they live in: :mod:`isbflow.spec.paths`), through the FileSystem API
-    (:data:`CHECKPOINT_FILE_MANAGER`).
+    (:data:`CHECKPOINT_FILE_MANAGER`) and, on a local master, with isbflow's local file system
+    (:func:`local_fs_conf`: no ``chmod`` process per file).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -109,10 +150,13 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.ui.showConsoleProgress", "false")
          .config("spark.ui.killEnabled", "false")
          .config("spark.hadoop.fs.permissions.umask-mode", "077")
-         .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER))
+         .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER)
+         .config(CODEGEN_CACHE_CONF, str(CODEGEN_CACHE_ENTRIES)))
+    conf = dict(conf or {})
     if task_slots(master) is not None:
         b = b.config(IDLE_WORKERS_CONF, str(IDLE_WORKERS))
-    for k, v in (conf or {}).items():
+        conf.update(local_fs_conf(conf))  # a user's classpath is kept in it, a user's fs.file.impl wins
+    for k, v in conf.items():
         b = b.config(k, v)
     real = {k: os.environ.get(k) for k in (*PYTHON_EXECUTABLES, "MALLOC_ARENA_MAX")}
     if SparkContext._active_spark_context is None:

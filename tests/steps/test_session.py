@@ -6,6 +6,8 @@ import pytest
 
 from isbflow.steps.session import (
     CHECKPOINT_FILE_MANAGER,
+    CODEGEN_CACHE_CONF,
+    CODEGEN_CACHE_ENTRIES,
     DRIVER_JAVA_OPTIONS,
     IDLE_WORKERS,
     IDLE_WORKERS_CONF,
@@ -54,6 +56,16 @@ def test_spark_keeps_one_idle_python_worker_per_kind_on_a_local_master(spark):
     assert spark.sparkContext.getConf().get(IDLE_WORKERS_CONF) == str(IDLE_WORKERS) == "1"
     assert [task_slots(m) for m in ("local", "local[2]", "local[3,2]", "spark://h:7077")] == [1, 2, 3, None]
     assert task_slots("local[*]") >= 1
+
+
+def test_spark_keeps_more_generated_classes_than_its_default(spark):
+    """The session's cache of compiled generated code holds 500 classes, under the key Spark defines for
+    it (a static conf: a misspelt key, or one set after the JVM started, would leave Spark's 100)."""
+    jvm = spark.sparkContext._jvm
+    entry = jvm.org.apache.spark.sql.internal.StaticSQLConf.CODEGEN_CACHE_MAX_ENTRIES()
+    assert entry.key() == CODEGEN_CACHE_CONF
+    assert str(entry.defaultValueString()) == "100"
+    assert spark.conf.get(CODEGEN_CACHE_CONF) == str(CODEGEN_CACHE_ENTRIES) == "500"
 
 
 def test_the_jvm_and_a_launched_driver_run_with_bounded_malloc_arenas(spark, monkeypatch, tmp_path):
