@@ -38,9 +38,16 @@ class StepRun:
     drain_point: dict[str, int] | None = None
 
 
-def committed_offsets(rq: RunningQuery) -> dict[str, int] | None:
-    """Input stream -> committed seq from the query's last completed batch (None before one)."""
-    progress = rq.query.lastProgress
+def last_progress(queries: list[RunningQuery]) -> list[dict | None]:
+    """Each query's ``lastProgress``, asked once: each ask is two Py4J calls and a JSON parse of the
+    report, and the continuous loop reads it for offsets and counters alike, every poll, every step."""
+    return [rq.query.lastProgress for rq in queries]
+
+
+def committed_offsets(rq: RunningQuery, progress: dict | None = None) -> dict[str, int] | None:
+    """Input stream -> committed seq from the query's last completed batch (None before one);
+    ``progress``: its ``lastProgress`` when the caller has it already."""
+    progress = progress if progress is not None else rq.query.lastProgress
     if not progress or not progress.get("sources"):
         return None
     out: dict[str, int] = {}
@@ -58,11 +65,12 @@ def committed_offsets(rq: RunningQuery) -> dict[str, int] | None:
     return out
 
 
-def step_committed(queries: list[RunningQuery]) -> dict[str, int]:
+def step_committed(queries: list[RunningQuery], progress: list[dict | None] | None = None) -> dict[str, int]:
     """What the step has committed: only what all of its queries have (a step has one, but a
     runner may hold a restarted one beside it). A stream one query has not reported yet (no batch since it started
     or restarted) is not committed at all, or its release would purge what that query reads."""
-    per_query = [committed_offsets(rq) or {} for rq in queries]
+    progress = progress if progress is not None else last_progress(queries)
+    per_query = [committed_offsets(rq, p) or {} for rq, p in zip(queries, progress, strict=True)]
     return {s: min(c[s] for c in per_query) for s in (per_query[0] if per_query else {})
             if all(s in c for c in per_query)}
 
@@ -73,13 +81,14 @@ def _ran(prog: dict | None) -> bool:
     return bool(prog) and "addBatch" in (prog.get("durationMs") or {})
 
 
-def account_batches(status: st.StepStatus, queries: list[RunningQuery]) -> None:
+def account_batches(status: st.StepStatus, queries: list[RunningQuery],
+                    progress: list[dict | None] | None = None) -> None:
     """Fold each query's batches since the last call (once each) into the step's batch id, rates,
     rows and late count. Idle triggers count for nothing: with event-driven steps they are common
     (a trigger that waited for input in vain), and one carries the id of the next batch."""
     rows = 0
-    for rq in queries:
-        prog = rq.query.lastProgress
+    progress = progress if progress is not None else last_progress(queries)
+    for rq, prog in zip(queries, progress, strict=True):
         if not _ran(prog) or prog["batchId"] == rq.seen_batch:
             continue
         new = [prog]

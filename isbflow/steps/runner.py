@@ -92,6 +92,7 @@ from isbflow.steps.progress import (  # noqa: F401
     StepRun,
     account_batches,
     committed_offsets,
+    last_progress,
     step_committed,
 )
 from isbflow.steps.restart import (  # noqa: F401 - re-exported for callers of the runner
@@ -411,8 +412,9 @@ class PipelineRunner:
         the continuous loop asks for them once per heartbeat, not every poll)."""
         status = run.status
         assert status is not None
-        committed = step_committed(run.queries)
-        account_batches(status, run.queries)
+        progress = last_progress(run.queries)
+        committed = step_committed(run.queries, progress)
+        account_batches(status, run.queries, progress)
         if committed and committed != status.committed:
             status.committed = committed
             self.nats.run(st.put_committed(self.nats.nc, self.p.name, run.vertex, committed))

@@ -51,3 +51,25 @@ def test_batches_between_two_looks_are_all_counted():
     rq.query.lastProgress = ran(3, 1000)
     account_batches(status, [rq])
     assert (status.rows_total, status.batch_id) == (1111, 3)
+
+
+def test_a_look_asks_each_query_for_its_progress_once():
+    """The continuous loop reads a query's ``lastProgress`` once per look for its offsets and its
+    counters (each ask is two Py4J calls and a JSON parse)."""
+    from isbflow.steps.progress import last_progress, step_committed
+
+    class Counting:
+        asks = 0
+        recentProgress: list = []
+
+        @property
+        def lastProgress(self):
+            Counting.asks += 1
+            return {**ran(4, 9), "sources": [{"endOffset": '{"isb-logs-in-parse-0": {"seq": 12}}'}]}
+
+    rq = RunningQuery("parse", "enrich", Counting(), ["isb-logs-in-parse-0"])
+    status = StepStatus("parse")
+    progress = last_progress([rq])
+    assert step_committed([rq], progress) == {"isb-logs-in-parse-0": 12}
+    account_batches(status, [rq], progress)
+    assert (Counting.asks, status.batch_id, status.rows_total) == (1, 4, 9)
