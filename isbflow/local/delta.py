@@ -28,6 +28,8 @@ _log = logging.getLogger(__name__)
 
 #: loads tried when a log file vanished under the load (module docstring)
 LOAD_ATTEMPTS = 5
+
+
 def log_file_vanished(error: BaseException) -> bool:
     """``error`` is a load or commit that met a log file or checkpoint removed under it (module
     docstring: "File not found: .../_delta_log/...", "Object at location .../_delta_log/... not

@@ -16,7 +16,7 @@ from isbflow.steps.session import CLASSPATH_CONF, LOCAL_FS_CONF, local_fs_conf
 pytestmark = pytest.mark.slow
 
 
-def test_the_class_is_compiled_once_into_the_cache_and_reused(tmp_path, monkeypatch):
+def test_the_class_is_compiled_once_into_the_cache_and_reused(tmp_path):
     javac = hadoop_fs.find_javac()
     assert javac is not None, "a JDK's javac is a prerequisite (README): none found"
     jar = sorted(hadoop_fs.spark_jars().glob("hadoop-client-api-*.jar"))[-1]
