@@ -361,6 +361,11 @@ def live_latency(bench: Bench, cfg: Config, settings_json: str, rate: float | No
     store_a = np.sort(np.concatenate(store_lat)) if store_lat else np.array([])
     batches = [p for p in progress if p["numInputRows"] > 0]
     dur = sorted(p["durationMs"].get("triggerExecution", 0) for p in batches)
+    stages = sorted({k for p in batches for k in p["durationMs"]})
+    # where a batch's time goes: Spark's stages, and inside addBatch the Delta sink's own steps
+    stage_ms = {k: cm.percentile(sorted(p["durationMs"].get(k, 0) for p in batches), 0.5) for k in stages}
+    sink_ms = ({k: round(1000 * v / len(batches), 1) for k, v in bench.writer.seconds.items()}
+               if bench.writer is not None and batches else None)
     return {
         "publisher": published,
         "trigger": f"processingTime {cfg.trigger}",
@@ -373,6 +378,7 @@ def live_latency(bench: Bench, cfg: Config, settings_json: str, rate: float | No
         "commits": len(commits), "nonempty_batches": len(batches),
         "batch_ms_p50": cm.percentile(dur, 0.5), "batch_ms_p99": cm.percentile(dur, 0.99),
         "batch_rows_p50": cm.percentile(sorted(p["numInputRows"] for p in batches), 0.5),
+        "stage_ms_p50": stage_ms, "sink_ms_mean": sink_ms,
         "peak_rss_bytes": (bench.sampler.peaks.get(name) or {}).get("rss_bytes"),
         "method": ("each event carries its publish time (pub_ns, time.time_ns() just before the "
                    "publish call, in the publisher subprocess); its visible time is the mtime of the "

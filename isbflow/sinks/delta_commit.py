@@ -27,8 +27,9 @@ Contract (exactly once per micro-batch and app id), told for ``isb-delta``:
   the batch's files by the markers its tasks left in the batch's own pending
   folder and names the files it commits there first (``COMMITTING``): it never
   walks the table folder or lists the table's files, so its cost does not grow
-  with the table (delta-rs still loads the table's snapshot to commit; scheduled
-  compaction keeps that small, :mod:`isbflow.sinks.maintain`).
+  with the table (delta-rs still needs the table's snapshot to commit: a step's sink
+  keeps it between batches and reads it forward, :class:`isbflow.local.delta.TableCache`;
+  scheduled compaction keeps it small, :mod:`isbflow.sinks.maintain`).
 - ``abort`` runs on the driver when a task failed: it removes the batch's
   unreferenced files.
 
@@ -102,7 +103,7 @@ from pyspark.sql.types import StructType
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
-from isbflow.local.delta import load_table, log_file_vanished
+from isbflow.local.delta import TableCache, log_file_vanished
 from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
@@ -199,22 +200,33 @@ def commit_batch(
     options: DeltaSinkOptions,
     messages: Iterable[DeltaCommitMessage | None],
     batch_id: int,
+    tables: TableCache | None = None,
 ) -> BatchCommit:
     """Commit one micro-batch's files in one Delta transaction, at most once per app id; again from
     reading the table when sink maintenance changed it meanwhile (:func:`_again_after_maintenance`:
-    each attempt starts with the app-transaction check, so a commit that landed is never repeated)."""
+    each attempt starts with the app-transaction check, so a commit that landed is never repeated).
+    ``tables``: the sink's table kept from its last batch (read forward, not loaded again)."""
     msgs = [m for m in messages if m is not None]
     where = f"{SHORT_NAME} {options.path} (app {options.app_id}, batch {batch_id})"
-    return _again_after_maintenance(lambda: _commit_batch_once(options, msgs, batch_id, where), where)
+    tables = tables or TableCache(options.path)
+
+    def attempt() -> BatchCommit:
+        try:
+            return _commit_batch_once(options, msgs, batch_id, where, tables)
+        except BaseException:
+            tables.forget()  # the next attempt or batch loads the table anew
+            raise
+
+    return _again_after_maintenance(attempt, where)
 
 
 def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage], batch_id: int,
-                       where: str) -> BatchCommit:
+                       where: str, tables: TableCache) -> BatchCommit:
     """One attempt of :func:`commit_batch`, on the table as it is now."""
     actions = [a for m in msgs for a in m.actions]
     offsets = ledger.union(*(m.offsets or {} for m in msgs))
     rows = sum(json.loads(a.stats)["numRecords"] for a in actions)
-    table = open_table(options.path)
+    table = tables.get()
     done = table.transaction_version(options.app_id) if table else None
     if done is not None and done >= batch_id:
         if done > batch_id:
@@ -248,20 +260,9 @@ def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage]
     _commit_files(options, table, actions, schema, metadata, batch_id, where)
     # Attempts that failed before this batch succeeded may have left files behind.
     _clean_up(options, batch_id, offsets, where, committed=[a.path for a in actions])
-    return BatchCommit(batch_id, _version_after_commit(options.path, table), len(actions), rows)
-
-
-def _version_after_commit(path: str, table: DeltaTable | None) -> int:
-    """The table's version once a batch is committed: the table the commit read, read forward (the
-    commits since, one file: py-spy on the demo's driver had the two full loads a batch made at 7% of
-    its Python), or loaded again when the batch created it or maintenance trimmed the log meanwhile."""
-    if table is not None:
-        try:
-            table.update_incremental()
-            return table.version()
-        except DeltaError:
-            pass
-    return load_table(path).version()
+    # the version: the table the commit read, read forward (py-spy on the demo's driver had the two
+    # full loads a batch made at 7% of its Python), or loaded when the batch created it
+    return BatchCommit(batch_id, tables.get().version(), len(actions), rows)
 
 
 def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: list[AddAction],

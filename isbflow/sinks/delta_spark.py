@@ -26,7 +26,8 @@ Per micro-batch, on the driver:
    again) and computes the ranges of source sequences they hold
    (:func:`isbflow.isb.ledger.id_ranges`, pyarrow): measured 7-18x cheaper than
    a Spark job computing the same in the JVM.
-4. **Commit** (:func:`isbflow.sinks.delta_commit.commit_batch`, unchanged):
+4. **Commit** (:func:`isbflow.sinks.delta_commit.commit_batch`, on the table the last batch's
+   commit left, read forward: :class:`isbflow.local.delta.TableCache`):
    the app-transaction check (a batch the table already holds commits nothing
    and its files are removed), one Delta transaction with ``isb.offsets``, the
    ledger update, ``merge``/``upsert`` modes, the clean-up of the batch's
@@ -68,6 +69,7 @@ from deltalake.transaction import AddAction
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from isbflow.isb import ledger
+from isbflow.local.delta import TableCache
 from isbflow.sinks.delta_commit import (
     BatchCommit,
     check_columns,
@@ -106,6 +108,8 @@ class DeltaBatchWriter:
 
     def __init__(self, options: DeltaSinkOptions):
         self.options = options
+        #: the table as the last batch's commit left it (read forward for the next)
+        self.tables = TableCache(options.path)
         #: seconds spent per step (write, adopt, offsets, commit), summed over the batches: what bounds the sink
         self.seconds: dict[str, float] = dict.fromkeys(("write", "adopt", "offsets", "commit"), 0.0)
 
@@ -158,7 +162,7 @@ class DeltaBatchWriter:
         """Driver: the batch's one Delta commit (:func:`isbflow.sinks.delta_commit.commit_batch`).
         Not guarded like the write: a failure here may follow a landed commit, and the batch's re-run
         sorts out which files the log holds."""
-        return commit_batch(self.options, [message], batch_id)
+        return commit_batch(self.options, [message], batch_id, self.tables)
 
 
 def write_staged(df, staging: str, partition_by: tuple[str, ...]) -> None:

@@ -6,7 +6,7 @@ import threading
 
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from isbflow.local import delta
@@ -87,3 +87,35 @@ def test_what_a_trimmed_log_raises_is_told_apart_and_loaded_again_a_bounded_numb
     assert len(tries) == delta.LOAD_ATTEMPTS
     monkeypatch.setattr(delta, "DeltaTable", real)
     assert load_table(path).version() == 1
+
+
+def test_a_kept_table_is_read_forward_and_loaded_anew_when_the_log_it_needs_was_trimmed(tmp_path, monkeypatch):
+    """TableCache: the sink's table between its commits. Commits by others are read forward (the same
+    object, no new load); after maintenance trimmed the log the kept snapshot read from, the next get
+    is still the whole table at its latest version."""
+    path = str(tmp_path / "t")
+    tables = delta.TableCache(path)
+    assert tables.get() is None  # no table yet
+    write_deltalake(path, pa.table({"a": [0]}), configuration=TRIMMED)
+    first = tables.get()
+    assert first.version() == 0
+    loads = []
+    real = delta.DeltaTable
+    monkeypatch.setattr(delta, "DeltaTable", lambda *a, **k: loads.append(a) or real(*a, **k))
+    for i in range(1, 4):
+        write_deltalake(path, pa.table({"a": [i]}), mode="append",
+                        commit_properties=CommitProperties(app_transactions=[Transaction("app", i)]))
+        assert tables.get() is first and first.version() == i
+    assert loads == []  # read forward only
+    assert first.transaction_version("app") == 3
+
+    for i in range(4, 7):
+        write_deltalake(path, pa.table({"a": [i]}), mode="append")
+    _trim(path)  # the commits after the kept version 3 are folded into a checkpoint and removed
+    write_deltalake(path, pa.table({"a": [7]}), mode="append")
+    after = tables.get()
+    assert after.version() == 7 and after.transaction_version("app") == 3
+    assert sorted(after.to_pyarrow_table().column("a").to_pylist()) == list(range(8))
+
+    tables.forget()
+    assert tables.get() is not after and len(loads) >= 1  # forgotten: loaded anew

@@ -112,3 +112,30 @@ def test_an_abort_after_a_landed_commit_keeps_its_files(tmp_path):
     assert not (path / rerun.actions[0].path).exists()
     assert parquet_files(path) == referenced(path)
     assert read_sink(str(path)).num_rows == 10
+
+
+def test_a_sink_that_keeps_its_table_loads_it_once_and_reads_it_forward(tmp_path, monkeypatch):
+    """The commits of one sink (DeltaBatchWriter's TableCache): the table is loaded for the first commit
+    that finds one and read forward after (a load reads the checkpoint and every commit after it); a
+    replayed batch is still told apart, and a commit by another writer meanwhile is seen."""
+    from deltalake import write_deltalake
+
+    from isbflow.local import delta as local_delta
+    from isbflow.local.delta import TableCache
+
+    path = tmp_path / "t"
+    opts = DeltaSinkOptions.from_options({"path": str(path), "appId": APP})
+    tables = TableCache(str(path))
+    loads = []
+    real = local_delta.DeltaTable
+    monkeypatch.setattr(local_delta, "DeltaTable", lambda *a, **k: loads.append(a) or real(*a, **k))
+    for b in range(4):
+        done = commit_batch(opts, [write_batch_files(opts, rows(b * 10 + 1, 10).to_batches(), b, 0)], b, tables)
+        assert done.version == b
+    write_deltalake(str(path), rows(900, 1), mode="append")  # another writer: version 4
+    replay = commit_batch(opts, [write_batch_files(opts, rows(31, 10).to_batches(), 3, 0)], 3, tables)
+    assert replay.version is None and "already holds batch 3" in replay.skipped_reason
+    done = commit_batch(opts, [write_batch_files(opts, rows(41, 10).to_batches(), 4, 0)], 4, tables)
+    assert done.version == 5
+    assert len(loads) <= 2  # the first commit finds no table; the second loads it (0); then read forward
+    assert sorted(read_sink(str(path)).column("v").to_pylist()) == [*range(1, 51), 900]

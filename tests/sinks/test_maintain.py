@@ -174,7 +174,7 @@ def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
 
 
 def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
-    from isbflow.sinks import delta_commit
+    from isbflow.local import delta as local_delta
     from isbflow.sinks.delta_log import TABLE_CONFIGURATION, retention_properties
 
     path = str(tmp_path / "t")
@@ -184,14 +184,14 @@ def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_m
 
     calls = []
 
-    def stale(p):  # the batch's commit reads the table, then maintenance sets another log retention (once)
-        table = DeltaTable(p)
+    def stale(p, version=None):  # the batch's commit reads the table, then maintenance sets another log
+        table = DeltaTable(p)    # retention (once)
         if not calls:
             DeltaTable(p).alter.set_table_properties(retention_properties(0))
         calls.append(p)
         return table
 
-    monkeypatch.setattr(delta_commit, "open_table", stale)
+    monkeypatch.setattr(local_delta, "load_table", stale)  # what the commit's TableCache loads with
     done = commit(opts, 1, 11, 10)
     assert done.rows == 10 and done.version == 2  # 1: the properties; its first attempt failed, "Metadata changed"
     assert len(calls) == 2  # the whole commit again, from reading the table
@@ -248,7 +248,8 @@ def test_a_stream_commit_goes_on_when_maintenance_trims_the_log_under_it(tmp_pat
     """CI stop 29: the soak's upsert step ``agg`` died with "Invalid table version: 4": its commit's
     snapshot was older than the checkpoint the maintenance had just written, and the commits after
     that snapshot, which the conflict check reads, were folded and removed (log retention 0)."""
-    from isbflow.sinks import delta_commit, delta_merge
+    from isbflow.local import delta as local_delta
+    from isbflow.sinks import delta_merge
     from isbflow.sinks.delta_log import bound_log
 
     path = str(tmp_path / "t")
@@ -256,15 +257,19 @@ def test_a_stream_commit_goes_on_when_maintenance_trims_the_log_under_it(tmp_pat
     commit(opts, 0, 1, 10)
     calls = []
 
-    def stale(p):  # the batch's commit reads the table, then maintenance folds and trims the log (once)
-        table = DeltaTable(p)
+    def stale(p, version=None):  # the batch's commit reads the table, then maintenance folds and trims
+        table = DeltaTable(p)    # the log (once)
         if not calls:
             bound_log(p, 0, force=True)
             assert not os.path.exists(os.path.join(p, "_delta_log", f"{table.version():020d}.json"))
         calls.append(p)
         return table
 
-    monkeypatch.setattr(delta_commit if mode == "append" else delta_merge, "open_table", stale)
+    # append: the commit's table comes from its TableCache; upsert: the merge loads its own
+    if mode == "append":
+        monkeypatch.setattr(local_delta, "load_table", stale)
+    else:
+        monkeypatch.setattr(delta_merge, "open_table", stale)
     done = commit(opts, 1, 6, 10)
     assert done.rows == 10
     want = list(range(1, 16)) if mode == "upsert" else list(range(1, 11)) + list(range(6, 16))
