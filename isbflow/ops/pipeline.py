@@ -269,11 +269,12 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
     # lazy: steps.runner loads pyspark, deltalake and psycopg (~0.5 CPU-s), steps.metrics prometheus_client;
     # every `isbflow` command imports this module, only a foreground run needs them
     from isbflow.steps.metrics import serve
-    from isbflow.steps.runner import PipelineRunner, StepError, spark_session
+    from isbflow.steps.runner import PipelineRunner, StepError, latency_budget_s, spark_session
     from isbflow.steps.session import driver_conf
 
     cap_own_log()  # a launched driver bounds its own log (isbflow.steps.driver)
-    spark = spark_session(master, app_name=f"isbflow-{p.name}", conf=driver_conf())
+    budget = None if available_now else latency_budget_s(p, processing_time)
+    spark = spark_session(master, app_name=f"isbflow-{p.name}", conf=driver_conf(budget))
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, data_dir,
                             processing_time=processing_time)

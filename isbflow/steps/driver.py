@@ -43,6 +43,16 @@ def check_processing_time(value: str) -> str:
     return value
 
 
+_UNIT_S = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1.0, "second": 1.0, "seconds": 1.0,
+           "minute": 60.0, "minutes": 60.0}
+
+
+def interval_s(value: str) -> float:
+    """Seconds of a trigger interval :func:`check_processing_time` takes (``'200 milliseconds'``: 0.2)."""
+    m = PROCESSING_TIME.fullmatch(check_processing_time(value.strip()))
+    return float(m.string[:m.start(2)]) * _UNIT_S[m.group(2)]
+
+
 class LaunchError(Exception):
     """A pipeline could not be launched or run; the message says what, where and what to do."""
 

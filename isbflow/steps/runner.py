@@ -86,6 +86,7 @@ from isbflow.spec.paths import DataDir
 from isbflow.steps import routing, sink_policy
 from isbflow.steps.checkpoints import fan_out_start
 from isbflow.steps.delta_sink import delta_writer
+from isbflow.steps.driver import interval_s
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
     RunningQuery,
@@ -146,6 +147,15 @@ def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None, event_
         return override
     seconds = v.effective_limits(p.spec.limits).readTimeout or constants.READ_TIMEOUT_S
     return f"{round(seconds * 1000)} milliseconds"
+
+
+def latency_budget_s(p: Pipeline, override: str | None = None) -> float:
+    """The pipeline's latency budget: the shortest interval at which one of its sources starts a
+    batch (:func:`trigger_interval`; ``override`` as a runner's ``processing_time``), what an event
+    waits at most before its first step takes it. Chooses the driver's JVM options
+    (:func:`isbflow.steps.session.driver_conf`)."""
+    sources = [v for v in p.spec.vertices if v.source] or list(p.spec.vertices)
+    return min(interval_s(trigger_interval(p, v, override)) for v in sources)
 
 
 class PipelineRunner:

@@ -51,13 +51,32 @@ CHECKPOINT_FILE_MANAGER = "org.apache.spark.sql.execution.streaming.checkpointin
 #: heap may still grow to Spark's 1 GiB. ``ISBFLOW_DRIVER_JAVA_OPTIONS`` replaces them ('' for none).
 DRIVER_JAVA_OPTIONS = "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
 
+#: the JVM options of a driver whose pipeline has a latency budget under :data:`LOW_LATENCY_S`: the
+#: same collector with a quarter of the heap kept free after a collection, not a tenth. With a tenth,
+#: the old generation sits ~90% full of what lives on (~80 MB in a busy driver), so every few seconds
+#: of promotion end in a full collection, a pause of 130-190 ms for every query: a third of a
+#: 200 ms micro-batch's time (Spark's task metrics at 20K events/s: JVM GC time 63 ms of 182 ms
+#: per task on average). Measured (``bench/throughput.py`` F, 20K events/s, 200 ms trigger, 60 s; the
+#: demo ``bench/cost.py --no-floors --rates 100``, 5 s budget): F's p50 0.39-0.41 s -> 0.31 s, its
+#: write job 216-228 -> 174 ms a batch; the demo 219 -> 198 CPU ms a micro-batch, but 1,167 -> 1,267
+#: MiB PSS (-XX:MinHeapFreeRatio=40 -XX:MaxHeapFreeRatio=70: 1,401 MiB). Hence by budget: memory
+#: where batches can wait, headroom where they cannot.
+LOW_LATENCY_JAVA_OPTIONS = "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=25 -XX:MaxHeapFreeRatio=40"
+#: a latency budget (seconds) under which a driver gets :data:`LOW_LATENCY_JAVA_OPTIONS`
+LOW_LATENCY_S = 1.0
 
-def driver_conf() -> dict[str, str]:
+
+def driver_conf(latency_budget_s: float | None = None) -> dict[str, str]:
     """The Spark conf of a pipeline's driver (a foreground or launched ``isbflow pipeline run``):
-    :data:`DRIVER_JAVA_OPTIONS` for its JVM, unless ``ISBFLOW_DRIVER_JAVA_OPTIONS`` says otherwise.
+    :data:`LOW_LATENCY_JAVA_OPTIONS` for its JVM when its pipeline's latency budget
+    (:func:`isbflow.steps.runner.latency_budget_s`) is under :data:`LOW_LATENCY_S`, else
+    :data:`DRIVER_JAVA_OPTIONS`, unless ``ISBFLOW_DRIVER_JAVA_OPTIONS`` says otherwise.
     Only a session that starts its JVM applies them."""
-    options = os.environ.get("ISBFLOW_DRIVER_JAVA_OPTIONS", DRIVER_JAVA_OPTIONS).strip()
+    low = latency_budget_s is not None and latency_budget_s < LOW_LATENCY_S
+    options = os.environ.get("ISBFLOW_DRIVER_JAVA_OPTIONS",
+                             LOW_LATENCY_JAVA_OPTIONS if low else DRIVER_JAVA_OPTIONS).strip()
     return {"spark.driver.extraJavaOptions": options} if options else {}
+
 
 
 #: How many idle Python workers of a kind (UDF, data source read, write, ...) Spark keeps for reuse on a

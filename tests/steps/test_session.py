@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from isbflow.steps.session import (
@@ -43,8 +45,38 @@ def test_a_pipeline_driver_gets_the_lean_jvm_options_unless_told_otherwise(monke
     assert "-XX:+UseSerialGC" in DRIVER_JAVA_OPTIONS.split()
     monkeypatch.setenv("ISBFLOW_DRIVER_JAVA_OPTIONS", "-XX:+UseG1GC")
     assert driver_conf() == {"spark.driver.extraJavaOptions": "-XX:+UseG1GC"}
+    assert driver_conf(0.2) == {"spark.driver.extraJavaOptions": "-XX:+UseG1GC"}  # the user's, whatever the budget
     monkeypatch.setenv("ISBFLOW_DRIVER_JAVA_OPTIONS", " ")
     assert driver_conf() == {}
+
+
+def test_a_driver_with_a_sub_second_latency_budget_keeps_heap_headroom(monkeypatch):
+    """A budget under LOW_LATENCY_S: a quarter of the heap kept free after a collection, where the lean
+    options keep a tenth (the full collections of a 90%-full old generation paused 200 ms batches)."""
+    from isbflow.steps.session import LOW_LATENCY_JAVA_OPTIONS, LOW_LATENCY_S
+
+    monkeypatch.delenv("ISBFLOW_DRIVER_JAVA_OPTIONS", raising=False)
+    lean, low = ({"spark.driver.extraJavaOptions": o} for o in (DRIVER_JAVA_OPTIONS, LOW_LATENCY_JAVA_OPTIONS))
+    assert driver_conf(0.2) == low and driver_conf(LOW_LATENCY_S - 0.001) == low
+    assert driver_conf(LOW_LATENCY_S) == lean and driver_conf(5.0) == lean and driver_conf(None) == lean
+    assert "-XX:MinHeapFreeRatio=25" in LOW_LATENCY_JAVA_OPTIONS.split()
+    assert "-XX:MinHeapFreeRatio=10" in DRIVER_JAVA_OPTIONS.split()
+
+
+def test_a_pipelines_latency_budget_is_its_sources_shortest_trigger():
+    from isbflow.spec import load_specs
+    from isbflow.steps.driver import LaunchError, interval_s
+    from isbflow.steps.runner import latency_budget_s
+
+    root = Path(__file__).resolve().parents[2]
+
+    assert [interval_s(v) for v in ("200 milliseconds", "250ms", "5 seconds", "5s", "1.5 s", "1 minute")] == [
+        0.2, 0.25, 5.0, 5.0, 1.5, 60.0]
+    with pytest.raises(LaunchError, match="not an interval"):
+        interval_s("soon")
+    p = load_specs([root / "pipelines" / "logs.yaml"]).only_pipeline()
+    assert latency_budget_s(p) == 5.0  # the demo's source readTimeout (its buffer steps are event-driven)
+    assert latency_budget_s(p, "200 milliseconds") == 0.2  # a runner's processing time for every step
 
 
 def test_spark_keeps_one_idle_python_worker_per_kind_on_a_local_master(spark):
@@ -86,3 +118,34 @@ def test_the_jvm_and_a_launched_driver_run_with_bounded_malloc_arenas(spark, mon
     assert driver_env(settings, tmp_path)["MALLOC_ARENA_MAX"] == MALLOC_ARENAS
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert driver_env(settings, tmp_path)["MALLOC_ARENA_MAX"] == "4"
+
+
+@pytest.mark.parametrize(("processing_time", "available_now", "options"), [
+    (None, False, "lean"), ("200 milliseconds", False, "low"), ("200 milliseconds", True, "lean")])
+def test_a_pipeline_run_starts_its_jvm_with_the_options_of_its_latency_budget(monkeypatch, processing_time,
+                                                                              available_now, options):
+    """isbflow.ops.pipeline.run_here: the demo's 5 s budget gets the lean options, a 200 ms trigger the
+    headroom, an available-now run (no latency to keep) the lean ones."""
+    from isbflow.ops.pipeline import run_here
+    from isbflow.spec import load_specs
+    from isbflow.steps import runner
+    from isbflow.steps.session import LOW_LATENCY_JAVA_OPTIONS
+
+    monkeypatch.delenv("ISBFLOW_DRIVER_JAVA_OPTIONS", raising=False)
+    monkeypatch.delenv("ISBFLOW_DRIVER_LOG", raising=False)
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def spark_session(master, app_name, conf):
+        started.append(conf)
+        raise Stop
+
+    monkeypatch.setattr(runner, "spark_session", spark_session)
+    specs = load_specs([Path(__file__).resolve().parents[2] / "pipelines" / "logs.yaml"])
+    with pytest.raises(Stop):
+        run_here(specs, specs.only_pipeline(), None, Path("/nonexistent"), available_now=available_now,
+                 processing_time=processing_time)
+    want = LOW_LATENCY_JAVA_OPTIONS if options == "low" else DRIVER_JAVA_OPTIONS
+    assert started == [{"spark.driver.extraJavaOptions": want}]
