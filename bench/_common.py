@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -431,6 +432,13 @@ def undo_all(steps) -> None:
 def log(msg: str) -> None:
     """A timestamped progress line on stderr."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a CI timeout) ends a bench as Ctrl-C does: its ``finally`` blocks stop the
+    driver, producer, nats-server and Spark it started. The default action ended the bench alone and
+    left them running (seen: ``kill`` of ``cost.py`` orphaned its driver and nats-server)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def write_result(result: dict, out: str | Path, print_table) -> None:

@@ -471,6 +471,7 @@ def print_table(r: dict) -> None:
 
 
 def main() -> None:
+    cm.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one low rate, short windows: checks the harness")
     ap.add_argument("--rates", help="events/s, comma-separated (default 100,1000,10000; quick 100)")

@@ -311,6 +311,7 @@ def print_table(r: dict) -> None:
 
 
 def main() -> None:
+    cm.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="20,000 events: checks the harness, not the engine")
     ap.add_argument("--count", type=int, help="events (default 1,000,000; quick 20,000)")

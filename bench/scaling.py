@@ -147,6 +147,7 @@ def main() -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     import _common as cm
 
+    cm.stop_on_sigterm()
     out: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                  "config": {"records": records, "workers": counts, "quick": args.quick,
                             "spec": str(SPEC.relative_to(ROOT)), "malformed_every": MALFORMED_EVERY,

@@ -457,6 +457,7 @@ def print_table(r: dict) -> None:
 
 
 def main() -> None:
+    cm.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: checks the harness, not the engine")
     ap.add_argument("--batches", type=int, help="stop producing once every step has this many (default 20,000)")

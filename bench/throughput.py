@@ -405,6 +405,7 @@ def ratio(a, b):
 
 
 def main() -> None:
+    cm.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere (~2-3 minutes)")
     ap.add_argument("--records", type=int, help="records for A, B, G, H (default 5,000,000; quick 40,000)")

@@ -61,3 +61,59 @@ def test_quick_cost_reports_the_demo_and_both_floors(tmp_path):
     assert 0 < i["pss_mean_bytes"] <= i["pss_peak_bytes"] and i["target"]["verdict"] in ("met", "missed"), i
     h = r["harness_cpu_s"]
     assert h["total"] == pytest.approx(h["drivers"] + h["floors_child"] + h["bench"], abs=0.2) and h["drivers"] > 0
+
+
+def test_a_bench_ended_by_sigterm_stops_what_it_started(tmp_path):
+    """``kill`` of a bench (or a CI timeout) ends it as Ctrl-C does (bench/_common.stop_on_sigterm): its
+    driver and nats-server stop with it, and its JSON says how it ended. Before, SIGTERM ended the bench
+    alone and both ran on."""
+    import os
+    import re
+    import signal
+    import time
+
+    out = tmp_path / "cost.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cost.py"), "--quick", "--no-floors",
+                             "--out", str(out)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            cwd=ROOT)
+    work = None
+    try:
+        for line in proc.stderr:  # the bench logs to stderr; the driver's line names its work folder
+            m = re.search(r"driver pid (\d+).* log (/\S+?)/logs/", line)
+            if m:
+                driver, work = int(m.group(1)), m.group(2)
+                break
+        assert work is not None, "the bench never launched its driver"
+        started = [p for p in os.listdir("/proc") if p.isdigit() and work.encode() in _cmdline(p)]
+        assert len(started) >= 2, started  # nats-server and the driver (its launcher names the work folder)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 60
+    while (left := [p for p in started if os.path.exists(f"/proc/{p}")]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    named = [(p, _cmdline(p)[:200]) for p in left]
+    for p in left:  # a failing run still cleans up what the bench left: each one's process group
+        try:        # (the driver runs in its own session, with its JVM and Python workers)
+            group = os.getpgid(int(p))
+            if group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(int(p), signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, named
+    assert not os.path.exists(f"/proc/{driver}")
+    assert "SystemExit: 143" in json.loads(out.read_text())["error"]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
