@@ -153,9 +153,8 @@ def latency_budget_s(p: Pipeline, override: str | None = None) -> float:
     """The pipeline's latency budget: the shortest interval at which one of its sources starts a
     batch (:func:`trigger_interval`; ``override`` as a runner's ``processing_time``), what an event
     waits at most before its first step takes it. Chooses the driver's JVM options
-    (:func:`isbflow.steps.session.driver_conf`)."""
-    sources = [v for v in p.spec.vertices if v.source] or list(p.spec.vertices)
-    return min(interval_s(trigger_interval(p, v, override)) for v in sources)
+    (:func:`isbflow.steps.session.driver_conf`). Validation ensures a pipeline has a source."""
+    return min(interval_s(trigger_interval(p, v, override)) for v in p.spec.vertices if v.source)
 
 
 class PipelineRunner:

@@ -78,7 +78,6 @@ def driver_conf(latency_budget_s: float | None = None) -> dict[str, str]:
     return {"spark.driver.extraJavaOptions": options} if options else {}
 
 
-
 #: How many idle Python workers of a kind (UDF, data source read, write, ...) Spark keeps for reuse on a
 #: local master (:func:`task_slots` says it is one), instead of every worker it ever started: one.
 #: Measured on the demo (in-process runner, 100 events/s, 5 s trigger, the driver JVM options above,

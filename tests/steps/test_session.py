@@ -16,6 +16,7 @@ from isbflow.steps.session import (
     driver_conf,
     task_slots,
 )
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +69,11 @@ def test_a_pipelines_latency_budget_is_its_sources_shortest_trigger():
     from isbflow.steps.driver import LaunchError, interval_s
     from isbflow.steps.runner import latency_budget_s
 
-    root = Path(__file__).resolve().parents[2]
-
     assert [interval_s(v) for v in ("200 milliseconds", "250ms", "5 seconds", "5s", "1.5 s", "1 minute")] == [
         0.2, 0.25, 5.0, 5.0, 1.5, 60.0]
     with pytest.raises(LaunchError, match="not an interval"):
         interval_s("soon")
-    p = load_specs([root / "pipelines" / "logs.yaml"]).only_pipeline()
+    p = load_specs([ROOT / "pipelines" / "logs.yaml"]).only_pipeline()
     assert latency_budget_s(p) == 5.0  # the demo's source readTimeout (its buffer steps are event-driven)
     assert latency_budget_s(p, "200 milliseconds") == 0.2  # a runner's processing time for every step
 
@@ -143,7 +142,7 @@ def test_a_pipeline_run_starts_its_jvm_with_the_options_of_its_latency_budget(mo
         raise Stop
 
     monkeypatch.setattr(runner, "spark_session", spark_session)
-    specs = load_specs([Path(__file__).resolve().parents[2] / "pipelines" / "logs.yaml"])
+    specs = load_specs([ROOT / "pipelines" / "logs.yaml"])
     with pytest.raises(Stop):
         run_here(specs, specs.only_pipeline(), None, Path("/nonexistent"), available_now=available_now,
                  processing_time=processing_time)
