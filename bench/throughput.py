@@ -208,19 +208,24 @@ class Bench:
 
     def _sink(self, df, name: str, records: int, trigger: dict | None = None, sink: str = "delta"):
         """Start ``df`` into a fresh Delta table, availableNow unless ``trigger``. ``sink``: ``delta``
-        (what a step's sink runs: Spark's Parquet writer + one delta-rs commit per batch,
-        ``foreachBatch(DeltaBatchWriter)``), ``isb-delta`` (the Python stream writer: pyarrow Parquet
-        in Python tasks, the sink before issue 14) or Spark's ``noop``."""
+        (Spark's Parquet writer + one delta-rs commit per batch, ``foreachBatch(DeltaBatchWriter)``:
+        what a sink under a failure policy runs), ``through`` (what a Delta sink vertex runs: ``df``
+        is ``frames_through``, whose read tasks write the Parquet; ``DeltaThroughWriter`` commits),
+        ``isb-delta`` (the Python stream writer: pyarrow Parquet in Python tasks fed by the JVM, the
+        sink before issue 14) or Spark's ``noop``."""
         from isbflow.sinks.delta_files import DeltaSinkOptions
         from isbflow.sinks.delta_spark import DeltaBatchWriter
+        from isbflow.sinks.delta_through import DeltaThroughWriter
 
         path, ckpt = self.work / "sinks" / name, self.work / "checkpoints" / name
         self.sampler.phase = name
         self.spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)
         self.writer = None
-        if sink == "delta":
-            options = DeltaSinkOptions.from_options({"path": str(path), "appId": f"bench/{name}"})
-            self.writer = DeltaBatchWriter(options)
+        if sink in ("delta", "through"):
+            options = {"path": str(path), "appId": f"bench/{name}"}
+            df = df(options) if sink == "through" else df
+            self.writer = (DeltaThroughWriter if sink == "through" else DeltaBatchWriter)(
+                DeltaSinkOptions.from_options(options))
             w = df.writeStream.foreachBatch(self.writer)
         else:
             w = df.writeStream.format(sink)
@@ -264,14 +269,24 @@ class Bench:
         return (self.spark.readStream.format("isb-bench-memory").option("rows", str(rows))
                 .option("batchRows", str(max(1, rows // 5))).option("partitions", "2").load())
 
-    def frames(self):
+    def _frames_reader(self, fmt: str):
         from isbflow.isb import naming
 
         streams = [ep.stream for ep in naming.edge_partitions(self.p) if ep.to_vertex == "raw"]
-        return (self.spark.readStream.format("jetstream").option("settings", self.settings_json)
+        return (self.spark.readStream.format(fmt).option("settings", self.settings_json)
                 .option("streams", ",".join(streams)).option("mode", "frames")
                 .option("frameRows", str(self.cfg.frame_rows))
-                .option("readMaxRows", str(self.cfg.batch_rows)).schema(cm.record_struct()).load())
+                .option("readMaxRows", str(self.cfg.batch_rows)))
+
+    def frames(self):
+        return self._frames_reader("jetstream").schema(cm.record_struct()).load()
+
+    def frames_through(self):
+        """A's read written through into the sink ``options`` name (``sink="through"``)."""
+        from isbflow.steps import write_through
+
+        return lambda options: self._frames_reader(write_through.FORMAT).options(
+            **write_through.through_options(cm.record_struct(), options)).load()
 
     def events(self, source: str, batch_rows: int):
         from isbflow.isb import naming
@@ -496,8 +511,9 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
         bench.run(bench.memory(min(cfg.records, 200_000)), "warmup", min(cfg.records, 200_000))
 
         result["H"] = bench.run(bench.memory(cfg.records), "H", cfg.records)
-        result["A"] = bench.run(bench.frames(), "A", cfg.records)
-        result["G"] = {"replay": bench.run(bench.frames(), "G", cfg.records)}
+        result["A"] = bench.run(bench.frames_through(), "A", cfg.records, sink="through")
+        result["A"]["sink"] = "written through (a Delta sink vertex): the read tasks write the Parquet"
+        result["G"] = {"replay": bench.run(bench.frames_through(), "G", cfg.records, sink="through")}
         per_trigger = max(1, cfg.json_files // 5)
         b_df = (spark.readStream.schema(cm.record_struct()).option("maxFilesPerTrigger", str(per_trigger))
                 .json(str(json_dir)))
@@ -511,6 +527,10 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
                 "B": bench.run(spark.readStream.schema(cm.record_struct())
                                .option("maxFilesPerTrigger", str(per_trigger)).json(str(json_dir)),
                                "B-noop", cfg.records, sink="noop"),
+            }
+            # Spark's Parquet writer (what a sink under a failure policy runs), in the same run
+            result["diagnostics_spark_writer"] = {
+                "A": bench.run(bench.frames(), "A-spark", cfg.records),
             }
             # the sink before issue 14 (Python tasks writing Parquet with pyarrow), in the same run
             result["diagnostics_python_sink"] = {

@@ -83,9 +83,9 @@ from isbflow.isb.release import release
 from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
-from isbflow.steps import routing, sink_policy
+from isbflow.steps import routing, sink_policy, write_through
 from isbflow.steps.checkpoints import fan_out_start
-from isbflow.steps.delta_sink import delta_writer
+from isbflow.steps.delta_sink import delta_option_map, delta_writer, writes_through
 from isbflow.steps.driver import interval_s
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.progress import (  # noqa: F401
@@ -297,7 +297,9 @@ class PipelineRunner:
                 raise StepError(f"step {vertex!r}: transform {v.udf.transform} failed: {e}") from e
         return df
 
-    def _read(self, vertex: str, available_now: bool = False):
+    def _read(self, vertex: str, available_now: bool = False, through: dict[str, str] | None = None):
+        """The vertex's input; ``through``: a Delta sink's options, its tasks write the sink's files
+        (:mod:`isbflow.steps.write_through`)."""
         v = self.p.vertex(vertex)
         limits = v.effective_limits(self.p.spec.limits)
         if v.source and v.source.files:
@@ -306,7 +308,8 @@ class PipelineRunner:
             return (self.spark.readStream.format("isb-files").option("path", str(path))
                     .option("pattern", v.source.files.pattern)
                     .option("readMaxRows", str(limits.readBatchSize)).load())
-        r = (self.spark.readStream.format("jetstream").option("settings", self.settings_json)
+        r = (self.spark.readStream.format("jetstream" if through is None else write_through.FORMAT)
+             .option("settings", self.settings_json)
              .option("streams", ",".join(self.input_streams(vertex)))
              .option("readMaxRows", str(limits.readBatchSize))
              .option("onBufferLoss", v.onBufferLoss.value)
@@ -320,6 +323,9 @@ class PipelineRunner:
             r = r.option("idleWait", str(self.idle_wait)).option("noWaitFile", str(no_wait))
         if v.source:
             return r.option("mode", "events").option("sourceName", vertex).load()
+        if through is not None:
+            return r.option("mode", "frames").options(
+                **write_through.through_options(self.input_schema(vertex), through)).load()
         return r.option("mode", "frames").schema(self.input_schema(vertex)).load()
 
     def _start(self, vertex: str, available_now: bool) -> StepRun:
@@ -330,7 +336,8 @@ class PipelineRunner:
         carried = fan_out_start(self.data_dir, self.p, vertex)  # per-edge checkpoints of an older isbflow
         if carried and vertex not in self.starting_offsets:
             self.starting_offsets[vertex] = carried
-        df = self.apply_transform(vertex, self._read(vertex, available_now))
+        through = self._through_options(v)
+        df = self.apply_transform(vertex, self._read(vertex, available_now, through))
         inputs = self.input_streams(vertex)
         keys = self.update_keys(vertex)
         if keys:
@@ -342,7 +349,7 @@ class PipelineRunner:
         outs = self.p.outputs(vertex)
         edges = [(e.to, str(DataDir(self.data_dir).stats(self.p.name, vertex, e.to))) for e in outs]
         if v.sink:
-            w = self._sink_writer(v, df)
+            w = self._sink_writer(v, df, through)
         else:
             w = self._edge_writer(v, df, keys, edges)
         # update: each micro-batch emits the current value of every key it changed (module doc)
@@ -391,7 +398,13 @@ class PipelineRunner:
             return out.writeStream.foreachBatch(UpdatePublisher(opts, checkpoint_epoch(self.data_dir, self.p.name)))
         return out.writeStream.format("jetstream").options(**opts)
 
-    def _sink_writer(self, v: Vertex, df):
+    def _through_options(self, v: Vertex) -> dict[str, str] | None:
+        """A Delta sink vertex written through: its sink's options (:func:`delta_option_map`)."""
+        if not writes_through(v):
+            return None
+        return delta_option_map(self, v, self.sink_mode, self.merge_keys.get(v.name), self.upsert_keys(v.name))
+
+    def _sink_writer(self, v: Vertex, df, through: dict[str, str] | None = None):
         """The ``foreachBatch`` writer of sink ``v`` (Delta: :mod:`isbflow.steps.delta_sink`, PostgreSQL:
         :mod:`isbflow.steps.pg_sink`): append (or the runner's ``sink_mode``); a sink fed by an update
         step upserts on its keys, keeping the latest version of a key per batch."""
@@ -402,7 +415,10 @@ class PipelineRunner:
         if v.sink.postgres is not None:
             return df.writeStream.foreachBatch(self._guarded(v, postgres_writer(self, v, df.columns, mode, keys,
                                                                                 upsert)))
-        write = delta_writer(self, v, df.columns, mode, keys, upsert)
+        if through is not None:  # the read tasks write the files: the rows never reach this query
+            return df.writeStream.foreachBatch(delta_writer(through, self.input_schema(v.name).fieldNames(),
+                                                            v.name, through=True))
+        write = delta_writer(delta_option_map(self, v, mode, keys, upsert), df.columns, v.name)
         if v.sink.retryStrategy is not None or v.sink.fallback is not None:
             # a Delta sink refuses no rows one by one: without a policy it needs no wrapper (nor its
             # per-batch totals file), and a failed commit fails the query as before (the restart policy)

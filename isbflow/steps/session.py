@@ -21,6 +21,7 @@ from isbflow.spec.paths import DataDir
 from isbflow.steps import hadoop_fs, zygote
 from isbflow.steps.driver import MALLOC_ARENAS
 from isbflow.steps.restart import StepError
+from isbflow.steps.write_through import WriteThroughDataSource
 
 
 def epoch_file(data_dir: Path, pipeline: str) -> Path:
@@ -216,7 +217,8 @@ def quiet_trigger_warnings(spark) -> None:
 
 
 def register_sources(spark) -> None:
-    for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource):
+    for ds in (JetStreamDataSource, FilesDataSource, ReferenceDataSource, DeltaSinkDataSource,
+               WriteThroughDataSource):
         spark.dataSource.register(ds)
 
 

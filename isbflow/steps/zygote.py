@@ -51,7 +51,8 @@ FORKED = (SOURCE_RUNNER, DAEMON)
 #: imported by the zygote before it forks: what the runners and workers of isbflow's data sources import,
 #: and pandas, which Spark's Python UDF workers import after their fork (each 65-70 -> 33-37 MiB PSS)
 PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", "isbflow.connector.reader",
-           "isbflow.connector.files", "isbflow.connector.task_publisher", "pandas", "pyspark.sql.pandas.serializers")
+           "isbflow.connector.files", "isbflow.connector.task_publisher", "pandas", "pyspark.sql.pandas.serializers",
+           "isbflow.steps.write_through_reader")  # a Delta sink vertex's read tasks write Parquet (delta-rs)
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 #: seconds the zygote may take to import :data:`PRELOAD` (~1 s here; a loaded machine takes longer)
 START_TIMEOUT = 120.0
