@@ -178,3 +178,22 @@ def test_options_are_checked(spark, nats_server, tmp_path):
     with pytest.raises(ConnectorOptionError, match="reads frames"):
         write_through._parse({**options(nats_server, "a", mode="events", sourceName="in"),
                               **write_through.through_options(SCHEMA, sink_options(tmp_path / "t"))})
+
+
+def test_the_sink_vertices_of_the_demo_are_written_through_and_a_policy_keeps_spark_s_writer(tmp_path):
+    from isbflow.spec import load_specs
+    from isbflow.steps.delta_sink import writes_through
+    from tests.conftest import ROOT
+
+    p = load_specs(ROOT / "pipelines" / "logs.yaml").only_pipeline()
+    assert {v.name for v in p.spec.vertices if writes_through(v)} == {"raw", "agg", "errors"}
+
+    # a sink whose failed batch goes to a fallback hands its rows on: Spark's writer, rows in the batch
+    text = (ROOT / "pipelines" / "logs.yaml").read_text().replace(
+        "          path: sinks/logs/raw\n",
+        "          path: sinks/logs/raw\n        retryStrategy:\n          backoff:\n            interval: 10ms\n"
+        "            steps: 2\n          onFailure: fallback\n        fallback:\n          delta:\n"
+        "            path: sinks/logs/raw-failed\n", 1)
+    (tmp_path / "logs.yaml").write_text(text)
+    p = load_specs(tmp_path / "logs.yaml").only_pipeline()
+    assert {v.name for v in p.spec.vertices if writes_through(v)} == {"agg", "errors"}
