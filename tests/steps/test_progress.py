@@ -53,6 +53,15 @@ def test_batches_between_two_looks_are_all_counted():
     assert (status.rows_total, status.batch_id) == (1111, 3)
 
 
+def test_batches_before_the_first_look_are_all_counted():
+    status = StepStatus("raw")
+    rq = query([ran(4, 1140), idle(5), ran(5, 60)])  # a restarted query: its first batch is not 0
+    account_batches(status, [rq])
+    assert (status.rows_total, status.batch_id) == (1200, 5)
+    account_batches(status, [rq])  # once
+    assert status.rows_total == 1200
+
+
 def test_a_look_asks_each_query_for_its_progress_once():
     """The continuous loop reads a query's ``lastProgress`` once per look for its offsets and its
     counters (each ask is two Py4J calls and a JSON parse)."""
