@@ -30,8 +30,9 @@ def healthy(host: str, http_port: int) -> bool:
 
 
 def meta_ready(host: str, nodes: list[NodeState]) -> bool:
-    """Every node sees a JetStream meta leader, and the leader sees all its peers current:
-    before that, creating an R3 stream can time out (seen on a busy 2-core machine)."""
+    """Every node sees a JetStream meta leader, and the leader sees all its peers current and
+    online: before that, creating an R3 stream can time out, or be refused "no suitable peers for
+    placement, peer offline" (both seen on a busy 2-core machine, the second with every peer current)."""
     for n in nodes:
         try:
             with urllib.request.urlopen(f"http://{host}:{n.http_port}/jsz", timeout=1) as r:
@@ -40,7 +41,8 @@ def meta_ready(host: str, nodes: list[NodeState]) -> bool:
             return False
         if not meta.get("leader"):
             return False
-        if meta["leader"] == n.name and not all(p.get("current") for p in meta.get("replicas") or []):
+        if meta["leader"] == n.name and not all(p.get("current") and not p.get("offline")
+                                                for p in meta.get("replicas") or []):
             return False
     return True
 
