@@ -349,10 +349,10 @@ def delta_history_until(path: str, version: int | None) -> PartitionRanges:
     # CLI or Airflow's DAG parsing, which import isb/
     from deltalake.exceptions import TableNotFoundError
 
-    from isbflow.local.delta import load_table
+    from isbflow.local.delta import load_table, table_history
 
     try:
-        history = load_table(path).history()
+        history = table_history(load_table(path))
     except TableNotFoundError:
         return {}
     return history_offsets(history, version)

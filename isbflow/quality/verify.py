@@ -41,7 +41,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
-from isbflow.local.delta import load_table
+from isbflow.local.delta import load_table, table_history
 from isbflow.sinks.delta_log import ForeignCommit, replay_claims, subtract
 
 __all__ = ["ForeignCommit", "Verification", "VerifyError", "verify_table"]
@@ -138,11 +138,11 @@ def verify_table(path: str | Path) -> Verification:
     names = [f.name for f in table.schema().fields]
     if ID_COLUMN not in names:
         raise VerifyError(f"{root}: the table has no {ID_COLUMN} column; there are no source offsets to prove")
-    version = table.version()
     try:
-        claims = replay_claims(root, table.history())
+        claims = replay_claims(root, table_history(table))  # reads the table forward to its newest commit
     except ledger.LogTruncated as e:
         raise VerifyError(f"{root}: {e}") from None
+    version = table.version()
     claimed, foreign = claims.claimed, claims.foreign
 
     ids = _current_ids(table)

@@ -85,6 +85,7 @@ from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.ranges import intersect
 from isbflow.isb.read import stream_state
 from isbflow.isb.routed import read_covered
+from isbflow.local.delta import table_history
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
@@ -185,7 +186,7 @@ def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
     table = open_table(path)
     if table is None:
         return 0, 0
-    history = table.history()
+    history = table_history(table)
     offered = inserted = 0
     for h in history:
         if after_version is not None and h["version"] <= after_version:

@@ -103,7 +103,7 @@ from pyspark.sql.types import StructType
 from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
-from isbflow.local.delta import TableCache, log_file_vanished
+from isbflow.local.delta import TableCache, log_file_vanished, table_history
 from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
@@ -348,7 +348,7 @@ def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, of
         return False
     if sum(ledger.count(r) for r in offsets.values()) != rows:  # ids that are no offsets, or repeated
         return False
-    held = ledger.history_offsets(table.history())
+    held = ledger.history_offsets(table_history(table))
     return not any(ledger.overlaps(ranges, held.get(part) or []) for part, ranges in offsets.items())
 
 

@@ -66,7 +66,7 @@ from deltalake.exceptions import CommitFailedError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
-from isbflow.local.delta import load_table
+from isbflow.local.delta import load_table, table_history
 
 _log = logging.getLogger(__name__)
 
@@ -259,8 +259,8 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
     table = load_table(path)
+    history = table_history(table)  # reads the table forward to the newest commit it lists
     version = table.version()
-    history = table.history()
     try:
         ledger.newest_fold(history, version)
     except ledger.LogTruncated as e:  # cleaned outside isbflow's maintenance: keep what is left

@@ -107,20 +107,20 @@ def read_version(spark, path: str):
     """(DataFrame of the table's current version, version, that commit's metadata)."""
     from deltalake.exceptions import TableNotFoundError  # lazy: delta-rs loads a native library
 
-    from isbflow.local.delta import load_table
+    from isbflow.local.delta import load_table, table_history
 
     try:
         table = load_table(path)
     except TableNotFoundError:
         raise SinkTableError(f"no Delta table at {path}: the sink has not committed a batch yet; "
                              "run the pipeline first") from None
+    history = table_history(table, 1)  # first: it reads the table forward to the commit it names
     version = table.version()
     uris = table.file_uris()
     if uris:
         df = spark.read.option("basePath", path).parquet(*uris)
     else:
         df = spark.createDataFrame(table.schema().to_arrow().empty_table())
-    history = table.history(1)
     return df, version, (history[0] if history else {})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pyarrow as pa
@@ -119,3 +120,76 @@ def test_a_kept_table_is_read_forward_and_loaded_anew_when_the_log_it_needs_was_
 
     tables.forget()
     assert tables.get() is not after and len(loads) >= 1  # forgotten: loaded anew
+
+
+def _commit(path: str, i: int, **kw) -> None:
+    """Append row ``i`` in a commit whose metadata names the version it is (``at``) and its offsets."""
+    write_deltalake(path, pa.table({"a": [i]}), mode="append" if i else "error", commit_properties=CommitProperties(
+        custom_metadata={"at": str(i), "isb.offsets": json.dumps({"in/0": [[i * 10 + 1, i * 10 + 10]]})}), **kw)
+
+
+def test_a_history_asked_after_a_commit_landed_names_each_commit_by_its_own_version(tmp_path):
+    """delta-rs 1.6 lists the commits the log holds when asked and numbers them down from the version
+    the table was loaded at (the test_live.py flake). :func:`table_history` numbers them right and
+    leaves the table at the version its history starts at."""
+    path = str(tmp_path / "t")
+    for i in range(3):
+        _commit(path, i)
+    stale = DeltaTable(path)
+    assert stale.version() == 2
+    _commit(path, 3)  # a sink's next batch lands after the load
+    bare = DeltaTable(path, version=2).history()
+    assert [(h["version"], h["at"]) for h in bare][:2] == [(2, "3"), (1, "2")]  # what delta-rs does
+    history = delta.table_history(stale)
+    assert [(h["version"], h["at"]) for h in history] == [(3, "3"), (2, "2"), (1, "1"), (0, "0")]
+    assert stale.version() == 3
+
+
+def test_a_history_read_beside_a_writer_is_always_numbered_right(tmp_path):
+    """A thread commits over and over while the main thread loads the table, lets a commit land, and
+    reads its history: every commit carries its own version, as the newest-first list must."""
+    path = str(tmp_path / "t")
+    _commit(path, 0)
+    stop = threading.Event()
+
+    def writer():
+        i = 1
+        while not stop.is_set():
+            _commit(path, i)
+            i += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    wrong, reads = [], 0
+    try:
+        while reads < 40:
+            table = load_table(path)
+            history = delta.table_history(table, 3)
+            reads += 1
+            assert history[0]["version"] == table.version()
+            wrong += [(h["version"], h["at"]) for h in history if str(h["version"]) != h["at"]]
+    finally:
+        stop.set()
+        thread.join()
+    assert reads == 40 and wrong == []
+
+
+def test_the_ledger_and_the_quality_read_of_a_table_see_no_commit_newer_than_their_version(
+        tmp_path, monkeypatch, spark):
+    """The quality check's two reads: the table's rows at a version (``read_version``) and the ledger
+    ranges its history records up to that version (``delta_history_until``), each from a table loaded
+    just before the sink's next commit landed."""
+    from isbflow.isb import ledger
+    from isbflow.sinks.tables import read_version
+
+    path = str(tmp_path / "t")
+    for i in range(3):
+        _commit(path, i)
+    stale = DeltaTable(path)
+    _commit(path, 3)
+    monkeypatch.setattr(delta, "load_table", lambda p, version=None: stale)
+    assert ledger.delta_history_until(path, 2) == {"in/0": [[1, 30]]}  # not commit 3's 31-40
+    stale = DeltaTable(path, version=2)
+    df, version, commit = read_version(spark, path)
+    assert (version, commit["at"]) == (3, "3")
+    assert sorted(r.a for r in df.collect()) == [0, 1, 2, 3]
