@@ -20,9 +20,9 @@ same way on every attempt and is raised after :data:`LOAD_ATTEMPTS`.
 numbers them down from the version the table was *loaded* at: a commit that lands
 between the load and the call is listed as the loaded version, and every older one
 one below its own. Beside a running sink that happens (the CI flake of
-``test_live.py``: a quality check read the raw table at version 1 and the
-history up to version 1 then held batch 2's offsets, labelled 1: batch 2's 537
-records were reported missing). :func:`table_history` asks, reads the table
+``test_live.py``: a quality check read the raw table at one version, and the
+history up to that version then held the next commit's offsets under its label:
+that batch's records, 537 in CI stop 32, were reported missing). :func:`table_history` asks, reads the table
 forward, and asks again until the table did not move meanwhile.
 """
 
