@@ -139,7 +139,7 @@ def verify_table(path: str | Path) -> Verification:
     if ID_COLUMN not in names:
         raise VerifyError(f"{root}: the table has no {ID_COLUMN} column; there are no source offsets to prove")
     try:
-        claims = replay_claims(root, table_history(table))  # reads the table forward to its newest commit
+        claims = replay_claims(root, table_history(table))
     except ledger.LogTruncated as e:
         raise VerifyError(f"{root}: {e}") from None
     version = table.version()

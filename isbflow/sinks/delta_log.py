@@ -259,8 +259,8 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
     table = load_table(path)
-    history = table_history(table)  # reads the table forward to the newest commit it lists
     version = table.version()
+    history = table_history(table)
     try:
         ledger.newest_fold(history, version)
     except ledger.LogTruncated as e:  # cleaned outside isbflow's maintenance: keep what is left

@@ -114,8 +114,8 @@ def read_version(spark, path: str):
     except TableNotFoundError:
         raise SinkTableError(f"no Delta table at {path}: the sink has not committed a batch yet; "
                              "run the pipeline first") from None
-    history = table_history(table, 1)  # first: it reads the table forward to the commit it names
     version = table.version()
+    history = table_history(table, 1)  # the commit of `version` (delta-rs may list a newer one)
     uris = table.file_uris()
     if uris:
         df = spark.read.option("basePath", path).parquet(*uris)
