@@ -2,10 +2,14 @@
 
 :func:`isbflow.isb.server.start_embedded` waits for each node's ``/healthz``, then, for a cluster,
 :func:`cluster_ready`: a JetStream meta leader that sees every peer current, every node knowing
-every node's client URL (what clients learn and provisioning counts servers by), and a JetStream
-API request answered on each node. Each step was seen missing on a busy 2-core machine right after
-the previous one held: an R3 stream create timing out, a client seeing two servers of three, a
-first KV put answered "no responders".
+every node's client URL (what clients learn and provisioning counts servers by), a JetStream
+API request answered on each node, and a stream with a replica on every node created (and deleted).
+Each step was seen missing on a busy 2-core machine right after the previous one held: an R3 stream
+create timing out, a client seeing two servers of three, a first KV put answered "no responders",
+and an R3 stream refused "no suitable peers for placement, peer offline" while the meta leader's
+``/jsz`` showed every peer current and online (run42, CI stop 33's run44: the leader places
+replicas by what each peer's statistics have told it, which ``/jsz`` does not show). Only creating
+one proves placement.
 """
 
 from __future__ import annotations
@@ -90,6 +94,45 @@ def js_api_ready(state: ServerState) -> bool:
         return pool.submit(asyncio.run, every()).result()
 
 
+#: the stream :func:`placement_ready` creates and deletes (in memory, no subject a client uses)
+PROBE_STREAM = "isbflow-ready-probe"
+
+
+def placement_ready(state: ServerState) -> bool:
+    """A memory stream with a replica on every node can be created (it is deleted at once): the
+    module docstring's last condition."""
+    # lazy: as in js_api_ready
+    from nats.js.api import StorageType, StreamConfig
+
+    from isbflow.isb.connect import connect
+    from isbflow.isb.settings import NatsSettings
+
+    async def probe() -> bool:
+        try:
+            nc = await connect(NatsSettings(servers=tuple(state.urls), tls_ca=state.ca_file), name="isbflow-nats-up",
+                               timeout=2.0, reconnect_attempts=0)
+        except Exception:  # noqa: BLE001 - not reachable yet: not ready
+            return False
+        js = nc.jetstream(timeout=5.0)
+        try:
+            await js.add_stream(StreamConfig(name=PROBE_STREAM, subjects=[f"_isbflow.ready.{PROBE_STREAM}"],
+                                             storage=StorageType.MEMORY, num_replicas=len(state.nodes)))
+        except Exception:  # noqa: BLE001 - "no suitable peers for placement", a timeout: not ready
+            await nc.close()
+            return False
+        try:
+            await js.delete_stream(PROBE_STREAM)
+            return True
+        except Exception:  # noqa: BLE001 - asked again: the create of an existing same stream succeeds
+            return False
+        finally:
+            await nc.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, probe()).result()
+
+
 def cluster_ready(host: str, state: ServerState) -> bool:
     """All of the module docstring's conditions, checked in that order (the cheap ones first)."""
-    return meta_ready(host, state.nodes) and gossiped(host, state.nodes) and js_api_ready(state)
+    return (meta_ready(host, state.nodes) and gossiped(host, state.nodes) and js_api_ready(state)
+            and placement_ready(state))

@@ -8,6 +8,7 @@ state file named that is still alive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
+from isbflow.isb import readiness
 from isbflow.isb.connect import IsbUnreachable, NatsSettings, connect, settings_from_url
 from isbflow.isb.server import HOST, free_port, nats_server_binary, read_state
 from tests.conftest import ROOT
@@ -201,6 +203,20 @@ def test_cluster_of_three(data_dir, tmp_path):
     count, peers = asyncio.run(r3())
     assert count == 3
     assert len(peers) == 2 and all(p.current for p in peers), peers
+
+    # up waited until a stream with a replica on each node could be placed, and left no probe behind
+    state = read_state(data_dir)
+    assert readiness.placement_ready(state)
+    assert not readiness.placement_ready(dataclasses.replace(state, nodes=[*state.nodes, state.nodes[0]]))
+
+    async def names() -> list[str]:
+        nc = await connect(settings)
+        try:
+            return [i.config.name for i in await nc.jetstream().streams_info()]
+        finally:
+            await nc.close()
+
+    assert readiness.PROBE_STREAM not in asyncio.run(names())
 
     # routes need their own credentials, not the client's
     conf = (data_dir / "nats" / "n1.conf").read_text()
