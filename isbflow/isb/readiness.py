@@ -7,9 +7,8 @@ API request answered on each node, and a stream with a replica on every node cre
 Each step was seen missing on a busy 2-core machine right after the previous one held: an R3 stream
 create timing out, a client seeing two servers of three, a first KV put answered "no responders",
 and an R3 stream refused "no suitable peers for placement, peer offline" while the meta leader's
-``/jsz`` showed every peer current and online (run42, CI stop 33's run44: the leader places
-replicas by what each peer's statistics have told it, which ``/jsz`` does not show). Only creating
-one proves placement.
+``/jsz`` showed every peer current and online (runs 42 and 44 of `.ci/run` here: whatever the leader
+places replicas by, ``/jsz`` did not show it). Only creating one proves placement.
 """
 
 from __future__ import annotations
