@@ -1,6 +1,6 @@
 """Cost benchmark (issue #15): what the demo pipeline costs at the rates people run, against two floors.
 
-    python bench/cost.py [--quick] [--rates 100,1000,10000] [--window 120] [--warmup 30]
+    python bench/cost.py [--quick] [--rates 100,1000,10000] [--window 120] [--warmup 30] [--settle 420]
                          [--trigger '1 second'] [--idle 60] [--curve 0.2,1,5] [--out bench/results/cost.json]
 
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end) and
@@ -9,7 +9,9 @@ start`` (:func:`isbflow.ops.pipeline.start`), with the spec's trigger (``limits.
 default 5 s; the steps after the source are event-driven) unless ``--trigger`` overrides it. A producer publishes each rate in turn
 (ascending; one driver for all rates); per rate, after ``--warmup`` seconds (the first rate:
 after every query has committed a batch and what was produced meanwhile is in the raw sink,
-then the warm-up), a measured window of ``--window``
+then ``--settle`` seconds more and the warm-up: a JVM's JIT compiles for minutes, and the demo
+measured 205, 159, 136 and 138 CPU ms a micro-batch in 2-minute windows from minute 1, 4, 7
+and 10 of one run), a measured window of ``--window``
 seconds records:
 
 - ``cpu_s``: CPU seconds (user + system, reaped children included) of the driver's whole
@@ -337,10 +339,11 @@ def run_demo(args, result: dict) -> int:
         record = launch_and_wait(args, specs, p, settings, work, trigger, True, producer, args.rates[0])
         result["startup_s"] = round(time.time() - t_start, 1)
         result["backlog_s"] = wait_backlog(raw, producer, record)
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
             producer.rate = rate
-            log(f"demo at {rate:g} events/s: warm-up {args.warmup:g}s, window {args.window:g}s")
-            time.sleep(args.warmup)
+            warm = args.warmup + (args.settle if i == 0 else 0.0)
+            log(f"demo at {rate:g} events/s: warm-up {warm:g}s, window {args.window:g}s")
+            time.sleep(warm)
             w = demo_window(work, record, producer, p.name, raw, args.window, args.sample_every)
             if producer.error is not None:
                 raise RuntimeError(f"the producer failed: {producer.error!r}")
@@ -393,12 +396,12 @@ def spec_trigger_s() -> float:
 
 def run_floors(args, queries: int) -> dict:
     cfg = {"rates": args.rates, "queries": queries, "trigger": spark_trigger(args.trigger or spec_trigger_s()),
-           "warmup": args.warmup,
+           "warmup": args.warmup, "settle": args.settle,
            "window": args.window, "sample_every": args.sample_every}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
         proc = subprocess.run([sys.executable, __file__, "--floors-child", json.dumps(cfg), "--out", f.name],
-                              env=env, cwd=ROOT, timeout=STARTUP_S + len(args.rates) * 2 * (args.window + 120))
+                              env=env, cwd=ROOT, timeout=STARTUP_S + 2 * args.settle + len(args.rates) * 2 * (args.window + 120))
         if proc.returncode:
             raise RuntimeError(f"the floors' child failed ({proc.returncode})")
         return json.loads(Path(f.name).read_text())
@@ -477,6 +480,10 @@ def main() -> None:
     ap.add_argument("--rates", help="events/s, comma-separated (default 100,1000,10000; quick 100)")
     ap.add_argument("--window", type=float, help="measured seconds per rate (default 120; quick 20)")
     ap.add_argument("--warmup", type=float, help="seconds at a rate before its window (default 30; quick 8)")
+    ap.add_argument("--settle", type=float,
+                    help="seconds more before the first rate's window, for the demo and each floor: the JVM's "
+                         "JIT settling (the demo measured 205, 159, 136, 138 CPU ms a batch in 2-minute windows "
+                         "from minute 1, 4, 7 and 10; default 420; quick 0)")
     ap.add_argument("--trigger", type=float, help="seconds: override the source steps' trigger (default: the spec's, 5; the others are event-driven)")
     ap.add_argument("--idle", type=float, help="seconds of the idle window after the rates: the producer paused, "
                                                f"{IDLE_QUIET_S:g} s later the driver tree's CPU (default 60; quick 0: none)")
@@ -498,12 +505,13 @@ def main() -> None:
     args.rates = [float(x) for x in (args.rates or ("100" if args.quick else "100,1000,10000")).split(",")]
     args.window = args.window or (20.0 if args.quick else 120.0)
     args.warmup = args.warmup if args.warmup is not None else (8.0 if args.quick else 30.0)
+    args.settle = args.settle if args.settle is not None else (0.0 if args.quick else 420.0)
     args.curve = [float(x) for x in args.curve.split(",") if x]
     args.idle = args.idle if args.idle is not None else (0.0 if args.quick else 60.0)
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": [], "curve": [],
                     "harness_cpu_s": {"drivers": 0.0},
-                    "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "trigger", "curve", "idle",
+                    "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "settle", "trigger", "curve", "idle",
                                                              "curve_rate", "sample_every", "profile")}
                     | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]"}}
     floors = None

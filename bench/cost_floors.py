@@ -61,7 +61,7 @@ def floors_child(cfg: dict) -> dict:
     spark = spark_session(app_name="isbflow-bench-cost-floor")
     spark.dataSource.register(CounterSource)
     out: dict = {}
-    for rate in cfg["rates"]:
+    for n, rate in enumerate(cfg["rates"]):
         for kind in ("rate", "python"):
             log(f"floor {kind} at {rate:g}/s: {cfg['queries']} queries")
             def start(i: int, kind=kind, rate=rate):
@@ -71,8 +71,18 @@ def floors_child(cfg: dict) -> dict:
                 return (src.writeStream.format("noop").queryName(f"floor_{kind}_{i}")
                         .trigger(processingTime=cfg["trigger"]).start())
 
-            qs = [start(i) for i in range(cfg["queries"])]
-            restarts = 0
+            # one after another, each once it ran its first batch: seven Python-source queries started at
+            # once failed their first tasks, "java.io.OptionalDataException" deserializing a HashMap (a
+            # map serialized while another thread changed it), again on every restart
+            qs, restarts = [], 0
+            for i in range(cfg["queries"]):
+                qs.append(start(i))
+                first = time.time() + 120
+                while time.time() < first and qs[i].lastProgress is None:
+                    if not qs[i].isActive and restarts < 20:
+                        restarts += 1
+                        qs[i] = start(i)
+                    time.sleep(0.5)
             deadline = time.time() + 900  # every query's first batch (its Python workers started on a loaded machine)
             while time.time() < deadline and not all((q.lastProgress or {}).get("batchId", -1) >= 1 for q in qs):
                 for i, q in enumerate(qs):
@@ -80,7 +90,7 @@ def floors_child(cfg: dict) -> dict:
                         restarts += 1
                         qs[i] = start(i)
                 time.sleep(1)
-            time.sleep(cfg["warmup"])
+            time.sleep(cfg["warmup"] + (cfg.get("settle", 0.0) if n == 0 else 0.0))
             sampler = Sampler(os.getpid(), cfg["sample_every"])
             t0, cpu0 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
             ids0 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
