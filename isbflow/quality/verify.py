@@ -138,11 +138,11 @@ def verify_table(path: str | Path) -> Verification:
     names = [f.name for f in table.schema().fields]
     if ID_COLUMN not in names:
         raise VerifyError(f"{root}: the table has no {ID_COLUMN} column; there are no source offsets to prove")
+    version = table.version()
     try:
         claims = replay_claims(root, table_history(table))
     except ledger.LogTruncated as e:
         raise VerifyError(f"{root}: {e}") from None
-    version = table.version()
     claimed, foreign = claims.claimed, claims.foreign
 
     ids = _current_ids(table)
