@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -87,8 +88,17 @@ class StepStatus:
         return (now or time.time()) - self.updated_at
 
 
+#: per connection, the bucket handles asked for so far: ``key_value`` asks the server for the bucket's
+#: stream (a round trip), and a runner's loop reads or writes these buckets for every step on each
+#: heartbeat; a handle is only the stream's name and options, good for the connection's life
+_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 async def _kv(nc, bucket: str):
-    return await nc.jetstream().key_value(bucket)
+    handles = _handles.setdefault(nc, {})
+    if bucket not in handles:
+        handles[bucket] = await nc.jetstream().key_value(bucket)
+    return handles[bucket]
 
 
 async def _get(kv, key: str) -> bytes | None:

@@ -8,6 +8,8 @@ Pure functions of ``StreamingQuery.lastProgress`` (no Spark or NATS calls), so t
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,9 @@ class RunningQuery:
     edges: list[tuple[str, str]] = field(default_factory=list)
     writer: Any = None  # the DataStreamWriter, to start the query again from its checkpoint
     restarts: int = 0
+    checkpoint: str | None = None  # its checkpoint directory (a local path), for :func:`has_new_batch`
+    commits_mtime: int = -1  # of the checkpoint's commits/ directory when it was last listed
+    newest_commit: int = -1  # the newest batch id in it then
 
 
 @dataclass
@@ -42,6 +47,34 @@ def last_progress(queries: list[RunningQuery]) -> list[dict | None]:
     """Each query's ``lastProgress``, asked once: each ask is two Py4J calls and a JSON parse of the
     report, and the continuous loop reads it for offsets and counters alike, every poll, every step."""
     return [rq.query.lastProgress for rq in queries]
+
+
+#: how old a directory's mtime must be before a listing of it is trusted until the mtime changes
+MTIME_SETTLED_NS = 100_000_000
+
+
+def has_new_batch(rq: RunningQuery) -> bool:
+    """Whether ``rq`` may have finished a batch its step has not accounted for: its checkpoint's
+    ``commits/`` holds a batch id past the last one seen. Spark writes a batch's commit file before it
+    reports the batch's progress, so a look in between finds the commit and asks again at the next.
+
+    One ``stat`` of the directory per look (it is listed only when it changed), where asking Spark is
+    a ``lastProgress`` (two Py4J calls, the report serialized to JSON in the JVM and parsed here):
+    the continuous loop looks at every query twice a second, and most looks find nothing new (a
+    query of the demo runs a batch every 5 s). True when there is no checkpoint to look at."""
+    if rq.checkpoint is None:
+        return True
+    commits = os.path.join(rq.checkpoint, "commits")
+    try:
+        mtime = os.stat(commits).st_mtime_ns
+        if mtime != rq.commits_mtime:
+            rq.newest_commit = max((int(n) for n in os.listdir(commits) if n.isdigit()), default=-1)
+            # the kernel stamps times from a clock that ticks every few ms: a file added in the same
+            # tick as the listing leaves the mtime as it was, so a fresh mtime is listed again
+            rq.commits_mtime = mtime if time.time_ns() - mtime > MTIME_SETTLED_NS else -1
+    except (OSError, ValueError):
+        return True
+    return rq.newest_commit > rq.seen_batch
 
 
 def committed_offsets(rq: RunningQuery, progress: dict | None = None) -> dict[str, int] | None:
@@ -89,18 +122,24 @@ def account_batches(status: st.StepStatus, queries: list[RunningQuery],
     rows = 0
     progress = progress if progress is not None else last_progress(queries)
     for rq, prog in zip(queries, progress, strict=True):
-        if not _ran(prog) or prog["batchId"] == rq.seen_batch:
+        if not prog:
             continue
-        new = [prog]
+        # an idle trigger after a batch carries the next batch's id: the batch before it ran, and a
+        # look that came after the idle trigger's report (not between the two) still counts it
+        last_ran = prog["batchId"] if _ran(prog) else prog["batchId"] - 1
+        if last_ran <= rq.seen_batch:
+            continue
+        new = [prog] if _ran(prog) else []
         # more than one since the last look, or before the first (a sink written through ran two
         # batches of the demo's start-up backlog before its step's first heartbeat: 1,140 rows uncounted)
-        if prog["batchId"] > rq.seen_batch + 1:
+        if last_ran > rq.seen_batch + 1 or not new:
             new = [p for p in rq.query.recentProgress or []
-                   if _ran(p) and rq.seen_batch < p["batchId"] <= prog["batchId"]] or new
-        rq.seen_batch = prog["batchId"]
-        status.batch_id = max(status.batch_id, prog["batchId"])
-        status.input_rows_per_s = float(prog.get("inputRowsPerSecond") or 0.0)
-        status.processed_rows_per_s = float(prog.get("processedRowsPerSecond") or 0.0)
+                   if _ran(p) and rq.seen_batch < p["batchId"] <= last_ran] or new
+        rq.seen_batch = last_ran
+        status.batch_id = max(status.batch_id, last_ran)
+        if new:  # (a report Spark no longer keeps is not counted)
+            status.input_rows_per_s = float(new[-1].get("inputRowsPerSecond") or 0.0)
+            status.processed_rows_per_s = float(new[-1].get("processedRowsPerSecond") or 0.0)
         for p in new:
             rows += int(p.get("numInputRows") or 0)
             for so in p.get("stateOperators") or []:

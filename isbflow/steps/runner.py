@@ -93,6 +93,7 @@ from isbflow.steps.progress import (  # noqa: F401
     StepRun,
     account_batches,
     committed_offsets,
+    has_new_batch,
     last_progress,
     step_committed,
 )
@@ -105,6 +106,7 @@ from isbflow.steps.restart import (  # noqa: F401 - re-exported for callers of t
     is_transient,
 )
 from isbflow.steps.session import (  # noqa: F401 - re-exported
+    QueryStarter,
     checkpoint_epoch,
     epoch_file,
     load_transform,
@@ -355,10 +357,14 @@ class PipelineRunner:
         # update: each micro-batch emits the current value of every key it changed (module doc)
         to = self.p.query_to(vertex)
         w = w.outputMode("update" if keys else "append")
-        w = w.option("checkpointLocation", self.checkpoint(vertex, to))
+        checkpoint = self.checkpoint(vertex, to)
+        w = w.option("checkpointLocation", checkpoint)
         w = w.queryName(f"{self.p.name}.{vertex}" + (f".to.{to}" if to else ""))
         w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.trigger_interval(v))
-        run.queries.append(RunningQuery(vertex, to, w.start(), inputs, edges=edges, writer=w))
+        # its shuffles and state in the vertex's partitions, at every start (QueryStarter)
+        starter = QueryStarter(self.spark, w, v.partitions)
+        run.queries.append(RunningQuery(vertex, to, starter.start(), inputs, edges=edges, writer=starter,
+                                        checkpoint=checkpoint))
         run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
                                    pid=os.getpid())
         self.runs[vertex] = run
@@ -560,8 +566,11 @@ class PipelineRunner:
 
         The loop looks at the queries every ``poll`` seconds and beats every ``heartbeat_every``
         while they work; once no step has run a batch for :data:`QUIET_AFTER_S` it looks once per
-        ``heartbeat_every`` and beats every :data:`QUIET_HEARTBEAT_S` (an idle pipeline's driver:
-        each look is a few Py4J calls and a NATS read per step, each beat a few NATS requests)."""
+        ``heartbeat_every`` and beats every :data:`QUIET_HEARTBEAT_S`. A look asks Spark for a
+        query's progress only when its checkpoint holds a batch not yet accounted for
+        (:func:`has_new_batch`: a ``stat``); the control keys (drain), failed queries and the
+        counters are read on the beat (each costs Py4J calls or NATS requests per step), and every
+        look while a step drains."""
         vertices = self.steps(only)
         for v in vertices:
             self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))
@@ -584,9 +593,12 @@ class PipelineRunner:
                     if run.status and run.status.state == st.Observed.DRAINED:
                         continue
                     batch = run.status.batch_id if run.status else None
-                    self._check_failed(run)
-                    self._bookkeep(run, counters=beat)
-                    self._follow_control(run)
+                    if beat:
+                        self._check_failed(run)
+                    if beat or run.draining or any(has_new_batch(rq) for rq in run.queries):
+                        self._bookkeep(run, counters=beat)
+                    if beat or run.draining:
+                        self._follow_control(run)
                     if run.draining or (run.status is not None and run.status.batch_id != batch):
                         last_busy = now
                 for run in self.runs.values():

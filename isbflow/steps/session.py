@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark import SparkContext
@@ -105,6 +107,46 @@ CODEGEN_CACHE_ENTRIES = 500
 CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 
 
+SHUFFLE_PARTITIONS_CONF = "spark.sql.shuffle.partitions"
+#: the session's shuffle partitions for batch work (quality checks, recovery's merges); a step's
+#: query gets its vertex's partitions instead (:func:`shuffle_partitions`)
+SHUFFLE_PARTITIONS = 2
+_conf_lock = threading.Lock()
+
+
+@contextmanager
+def shuffle_partitions(spark, n: int) -> Iterator[None]:
+    """A streaming query started inside runs its shuffles, and keeps its state, in ``n`` partitions.
+
+    Spark copies the session's conf when a streaming query starts, and a stateful query's checkpoint
+    records the number at its first batch: its state partitions for life (a checkpoint that exists
+    keeps its own number, whatever the session says). A vertex's ``partitions`` is its parallelism
+    (one read task per input partition), so its state has as many: the demo's ``minutely`` (one
+    partition) ran its aggregation as a shuffle into two state stores, two tasks of 22-30 ms of CPU
+    each for a few hundred rows a batch; with one partition its read task feeds one state store and
+    the shuffle is gone (the README's *Cost* section has the measurement). The session's value is
+    put back on the way out; queries started at once from other threads wait for each other."""
+    with _conf_lock:
+        before = spark.conf.get(SHUFFLE_PARTITIONS_CONF)
+        spark.conf.set(SHUFFLE_PARTITIONS_CONF, str(max(1, n)))
+        try:
+            yield
+        finally:
+            spark.conf.set(SHUFFLE_PARTITIONS_CONF, before)
+
+
+class QueryStarter:
+    """A streaming query's writer whose ``start()`` runs it in ``partitions`` shuffle partitions
+    (:func:`shuffle_partitions`): the runner's first start and every restart from the checkpoint."""
+
+    def __init__(self, spark, writer, partitions: int):
+        self.spark, self.writer, self.partitions = spark, writer, partitions
+
+    def start(self):
+        with shuffle_partitions(self.spark, self.partitions):
+            return self.writer.start()
+
+
 def task_slots(master: str) -> int | None:
     """Tasks a ``local`` master runs at once (``local``: 1, ``local[N]`` and ``local[N,F]``: N,
     ``local[*]``: the machine's cores); ``None`` for a cluster master (its executors say)."""
@@ -164,7 +206,7 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.driver.host", "127.0.0.1")
          .config("spark.driver.bindAddress", "127.0.0.1")
          .config("spark.ui.host", "127.0.0.1")
-         .config("spark.sql.shuffle.partitions", "2")
+         .config(SHUFFLE_PARTITIONS_CONF, str(SHUFFLE_PARTITIONS))
          .config("spark.sql.session.timeZone", "UTC")
          .config("spark.ui.showConsoleProgress", "false")
          .config("spark.ui.killEnabled", "false")

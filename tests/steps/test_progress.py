@@ -3,6 +3,8 @@ progress reports, here as Spark 4 writes them for a batch that ran and for an id
 
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
 
 from isbflow.isb.state import StepStatus
@@ -82,3 +84,53 @@ def test_a_look_asks_each_query_for_its_progress_once():
     assert step_committed([rq], progress) == {"isb-logs-in-parse-0": 12}
     account_batches(status, [rq], progress)
     assert (Counting.asks, status.batch_id, status.rows_total) == (1, 4, 9)
+
+
+def test_a_batch_whose_report_an_idle_trigger_replaced_is_counted():
+    """The look came after batch 1 and after the idle trigger that followed it (which carries id 2):
+    batch 1 is found among the recent reports."""
+    status = StepStatus("parse")
+    rq = query([ran(0, 5)])
+    account_batches(status, [rq])
+    rq.query.recentProgress += [ran(1, 20, rate=4.0), idle(2)]
+    rq.query.lastProgress = idle(2)
+    account_batches(status, [rq])
+    assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (25, 1, 4.0)
+    account_batches(status, [rq])  # once
+    assert status.rows_total == 25
+
+
+def test_a_look_asks_spark_only_when_the_checkpoint_holds_a_new_batch(tmp_path, monkeypatch):
+    """has_new_batch: the checkpoint's commits/ against the last batch seen (the commit file is
+    written before Spark reports the batch: a look in between asks again at the next)."""
+    from isbflow.steps.progress import has_new_batch
+
+    rq = query([])
+    assert has_new_batch(rq)  # no checkpoint known: ask
+    rq.checkpoint = str(tmp_path)
+    assert has_new_batch(rq)  # no commits/ yet: ask
+    commits = tmp_path / "commits"
+    commits.mkdir()
+    assert not has_new_batch(rq)  # empty: nothing ran
+    for name in ("0", ".0.crc", "1", ".1.crc"):
+        (commits / name).write_text("v1\n{}")
+    assert has_new_batch(rq)
+    rq.seen_batch = 0  # Spark had not reported batch 1 yet
+    assert has_new_batch(rq)
+    rq.seen_batch = 1
+    assert not has_new_batch(rq)
+    (commits / "2").write_text("v1\n{}")
+    assert has_new_batch(rq)
+    rq.seen_batch = 2
+    (commits / "0").unlink()  # Spark's clean-up of old batches
+    assert not has_new_batch(rq)
+    # a directory that has not changed for a while is not listed again
+    settled = time.time_ns() - 10**9
+    os.utime(commits, ns=(settled, settled))
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: listed.append(p) or real(p))
+    assert [has_new_batch(rq) for _ in range(3)] == [False] * 3
+    assert len(listed) == 1
+    (commits / "3").write_text("v1\n{}")
+    assert has_new_batch(rq) and len(listed) == 2

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
@@ -152,6 +153,12 @@ def test_available_now_end_to_end(spark, demo):
     windows = check_agg_is_batch_recount(spark, data_dir)
     assert_has_open_windows(windows)
     assert out["minutely"].late_total == 0
+    # the stateful step keeps its state in its vertex's partitions (one), not the session's two
+    minutely = runner.checkpoint("minutely", p.query_to("minutely"))
+    first = (Path(minutely) / "offsets" / "0").read_text().splitlines()
+    assert json.loads(first[1])["conf"]["spark.sql.shuffle.partitions"] == "1"
+    assert sorted(d.name for d in (Path(minutely) / "state" / "0").iterdir() if d.name[0] != "_") == ["0"]
+    assert spark.conf.get("spark.sql.shuffle.partitions") == "2"
     agg_version = DeltaTable(str(data_dir / "sinks/logs/agg")).version()
 
     # late records: events far behind the watermark (all in the first 10 s of event time) are
