@@ -33,7 +33,7 @@ from functools import partial
 
 import pyarrow as pa
 from pyspark import TaskContext
-from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StructField, StructType
 
 from isbflow.connector.writer import JetStreamStreamWriter, stream_writer
 
@@ -48,12 +48,25 @@ def row_version(epoch: int, batch_id: int) -> int:
     return epoch * EPOCH_FACTOR + batch_id
 
 
-def _publish_task(writer, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Executor (``mapInArrow``): publish this task's rows, yield the pickled report as one row."""
+#: :data:`VERSION_COLUMN` as Spark's ``lit(version).cast("long")`` gave it to the tasks
+VERSION_FIELD = pa.field(VERSION_COLUMN, pa.int64(), nullable=False)
+
+
+def with_version(batches: Iterator[pa.RecordBatch], version: int) -> Iterator[pa.RecordBatch]:
+    """Each batch with :data:`VERSION_COLUMN` = ``version`` as its last column."""
+    value = pa.scalar(version, pa.int64())
+    for b in batches:
+        yield b.append_column(VERSION_FIELD, pa.repeat(value, b.num_rows))
+
+
+def _publish_task(writer, batch_id: int, version: int,
+                  batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Executor (``mapInArrow``): publish this task's rows with their version, yield the pickled
+    report as one row."""
     ctx = TaskContext.get()
     task = ctx.partitionId() if ctx else 0
     report = JetStreamStreamWriter(writer.options, task_identity=lambda: (batch_id, task),
-                                    targets=writer.targets).write(batches)
+                                    targets=writer.targets).write(with_version(batches, version))
     yield pa.RecordBatch.from_pydict({"report": [pickle.dumps(report)]},
                                      schema=pa.schema([("report", pa.binary())]))
 
@@ -71,7 +84,12 @@ class UpdatePublisher:
         self.epoch = epoch
 
     def __call__(self, df, batch_id: int) -> None:
-        df = df.withColumn(VERSION_COLUMN, F.lit(row_version(self.epoch, batch_id)).cast("long"))
-        writer = stream_writer(self.options, df.schema)
-        rows = df.mapInArrow(partial(_publish_task, writer, batch_id), "report binary").collect()
+        # the version is added in the tasks (with_version), not as a literal in the plan: Spark
+        # generates and compiles code for a plan, and code holding a literal that changes every
+        # batch is new code every batch (Janino in the stream thread, then the JIT): the demo's
+        # minutely step compiled a stage a batch for its version alone
+        schema = StructType([*df.schema.fields, StructField(VERSION_COLUMN, LongType(), nullable=False)])
+        writer = stream_writer(self.options, schema)
+        version = row_version(self.epoch, batch_id)
+        rows = df.mapInArrow(partial(_publish_task, writer, batch_id, version), "report binary").collect()
         writer.commit([pickle.loads(r["report"]) for r in rows], batch_id)
