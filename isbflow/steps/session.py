@@ -122,10 +122,10 @@ def shuffle_partitions(spark, n: int) -> Iterator[None]:
     records the number at its first batch: its state partitions for life (a checkpoint that exists
     keeps its own number, whatever the session says). A vertex's ``partitions`` is its parallelism
     (one read task per input partition), so its state has as many: the demo's ``minutely`` (one
-    partition) ran its aggregation as a shuffle into two state stores, two tasks of 22-30 ms of CPU
-    each for a few hundred rows a batch; with one partition its read task feeds one state store and
-    the shuffle is gone (the README's *Cost* section has the measurement). The session's value is
-    put back on the way out; queries started at once from other threads wait for each other."""
+    partition) ran three tasks a batch, its read and a shuffle into two state stores, for a few
+    hundred rows; it runs two, into one state store (the README's *Cost* section has the
+    measurement). The session's value is put back on the way out; queries started at once from
+    other threads wait for each other."""
     with _conf_lock:
         before = spark.conf.get(SHUFFLE_PARTITIONS_CONF)
         spark.conf.set(SHUFFLE_PARTITIONS_CONF, str(max(1, n)))
