@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -34,13 +35,23 @@ from isbflow.steps.restart import StepError
 log = logging.getLogger(__name__)
 
 
+def newest_commit(checkpoint: str | Path) -> int | None:
+    """The newest batch id in a query's commit log (``commits/<id>``, beside Spark's ``.<id>.crc``);
+    None when it holds none or does not exist."""
+    try:
+        names = os.listdir(Path(checkpoint) / "commits")
+    except FileNotFoundError:
+        return None
+    return max((int(n) for n in names if n.isdigit()), default=None)
+
+
 def committed_end(checkpoint: Path) -> dict[str, dict] | None:
     """The input offsets of the newest batch a query's checkpoint committed (the reader's offset
     JSON, stream -> ``{"inc", "seq"}``); None when it committed none."""
-    done = [int(f.name) for f in (checkpoint / "commits").glob("*") if f.name.isdigit()]
-    if not done:
+    newest = newest_commit(checkpoint)
+    if newest is None:
         return None
-    lines = (checkpoint / "offsets" / str(max(done))).read_text().splitlines()
+    lines = (checkpoint / "offsets" / str(newest)).read_text().splitlines()
     out: dict[str, dict] = {}
     for line in lines[2:]:  # "v1", the batch metadata, then one line per source
         if line.strip() and line.strip() != "-":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isbflow.isb import state as st
+from isbflow.steps.checkpoints import newest_commit
 
 
 @dataclass
@@ -27,7 +28,7 @@ class RunningQuery:
     seen_batch: int = -1
     #: (target, writer stats dir) of every out edge the query writes, in spec order; [] for a sink
     edges: list[tuple[str, str]] = field(default_factory=list)
-    writer: Any = None  # the DataStreamWriter, to start the query again from its checkpoint
+    writer: Any = None  # what starts the query again from its checkpoint (a QueryStarter)
     restarts: int = 0
     checkpoint: str | None = None  # its checkpoint directory (a local path), for :func:`has_new_batch`
     commits_mtime: int = -1  # of the checkpoint's commits/ directory when it was last listed
@@ -64,11 +65,11 @@ def has_new_batch(rq: RunningQuery) -> bool:
     query of the demo runs a batch every 5 s). True when there is no checkpoint to look at."""
     if rq.checkpoint is None:
         return True
-    commits = os.path.join(rq.checkpoint, "commits")
     try:
-        mtime = os.stat(commits).st_mtime_ns
+        mtime = os.stat(os.path.join(rq.checkpoint, "commits")).st_mtime_ns
         if mtime != rq.commits_mtime:
-            rq.newest_commit = max((int(n) for n in os.listdir(commits) if n.isdigit()), default=-1)
+            newest = newest_commit(rq.checkpoint)
+            rq.newest_commit = -1 if newest is None else newest
             # the kernel stamps times from a clock that ticks every few ms: a file added in the same
             # tick as the listing leaves the mtime as it was, so a fresh mtime is listed again
             rq.commits_mtime = mtime if time.time_ns() - mtime > MTIME_SETTLED_NS else -1
