@@ -34,9 +34,10 @@ def test_the_plan_is_the_same_for_every_batch(spark, monkeypatch):
     df = spark.createDataFrame([("a", 1)], "k string, n long")
     monkeypatch.setattr(update, "stream_writer", writer)
     monkeypatch.setattr(type(df), "mapInArrow", map_in_arrow)
-    publish = UpdatePublisher({"to": "agg"}, epoch=0)
+    publish = UpdatePublisher({"to": "agg"}, epoch=3)
     publish(df, 41)
     publish(df, 42)
     assert len(plans) == 2 and plans[0] == plans[1]
-    assert "41" not in plans[0]
+    # a version no expression id reaches (ids like k#41040 hold "41": CI's stop 33 failed on that)
+    assert str(row_version(3, 41)) not in plans[0]
     assert [s.fieldNames() for s in schemas] == [["k", "n", VERSION_COLUMN]] * 2
