@@ -180,13 +180,14 @@ DAG_FACES = ["isbflow.airflow.operators.isb", "isbflow.airflow.operators.pipelin
              "isbflow.airflow.assets", "isbflow.airflow.catalog", "isbflow.airflow.pipelines"]
 
 
-def heavy_modules_loaded(modules: list[str], env: dict[str, str] | None = None) -> list[str]:
-    """The HEAVY modules a fresh interpreter has loaded after importing ``modules``."""
+def heavy_modules_loaded(modules: list[str], env: dict[str, str] | None = None,
+                         heavy: tuple[str, ...] = HEAVY) -> list[str]:
+    """The ``heavy`` modules a fresh interpreter has loaded after importing ``modules``."""
     import subprocess
     import sys
 
     code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+            f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
@@ -197,6 +198,13 @@ def test_the_cli_loads_no_heavy_dependency():
     """``isbflow --help`` (every command group registers when ``isbflow.cli`` is imported) stays
     light: Spark, delta-rs and GX load only in the commands that use them."""
     assert heavy_modules_loaded(["isbflow.cli"]) == []
+
+
+def test_a_driver_loads_no_client_of_a_sink_it_may_not_have():
+    """A pipeline's driver imports the step runner: psycopg (~8 MiB of the driver's PSS, measured)
+    loads only when a PostgreSQL sink or fallback is written, GX only for a quality run."""
+    assert heavy_modules_loaded(["isbflow.ops.pipeline", "isbflow.steps.runner"],
+                                heavy=("psycopg", "great_expectations")) == []
 
 
 def test_the_airflow_faces_load_no_heavy_dependency(tmp_path):

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, Transaction, write_deltalake
-from psycopg import sql
 
 from isbflow.isb import ledger
 from isbflow.sinks.delta_files import delta_arrow_schema
@@ -67,6 +66,8 @@ class PostgresFallback:
         return out.skipped_reason is None
 
     def held(self, batch_id: int) -> list[str] | None:
+        from psycopg import sql  # lazy: psycopg holds ~8 MiB of a driver that writes no PostgreSQL
+
         t = self.target
         with connect(t) as conn, conn.cursor() as cur:
             if table_columns(cur, bookkeeping_table(t.spec.table)) is None:
