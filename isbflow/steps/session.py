@@ -109,41 +109,57 @@ CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 
 SHUFFLE_PARTITIONS_CONF = "spark.sql.shuffle.partitions"
 #: the session's shuffle partitions for batch work (quality checks, recovery's merges); a step's
-#: query gets its vertex's partitions instead (:func:`shuffle_partitions`)
+#: query gets its vertex's partitions instead (:func:`step_query_conf`)
 SHUFFLE_PARTITIONS = 2
+#: Spark's adaptive query execution, on for the session's batch work, off in a step's query
+#: (:func:`step_query_conf`)
+ADAPTIVE_CONF = "spark.sql.adaptive.enabled"
 _conf_lock = threading.Lock()
 
 
 @contextmanager
-def shuffle_partitions(spark, n: int) -> Iterator[None]:
-    """A streaming query started inside runs its shuffles, and keeps its state, in ``n`` partitions.
+def step_query_conf(spark, partitions: int) -> Iterator[None]:
+    """A streaming query started inside runs its shuffles, and keeps its state, in ``partitions``
+    partitions, and without adaptive query execution.
 
     Spark copies the session's conf when a streaming query starts, and a stateful query's checkpoint
-    records the number at its first batch: its state partitions for life (a checkpoint that exists
-    keeps its own number, whatever the session says). A vertex's ``partitions`` is its parallelism
-    (one read task per input partition), so its state has as many: the demo's ``minutely`` (one
-    partition) ran three tasks a batch, its read and a shuffle into two state stores, for a few
-    hundred rows; it runs two, into one state store (the README's *Cost* section has the
-    measurement). The session's value is put back on the way out; queries started at once from
-    other threads wait for each other."""
+    records its shuffle partitions at its first batch: its state partitions for life (a checkpoint
+    that exists keeps its own number, whatever the session says). A vertex's ``partitions`` is its
+    parallelism (one read task per input partition), so its state has as many: the demo's
+    ``minutely`` (one partition) ran three tasks a batch, its read and a shuffle into two state
+    stores, for a few hundred rows; it runs two, into one state store (the README's *Cost* section
+    has the measurement).
+
+    Adaptive execution re-plans a job at its exchanges from what the finished stages measured
+    (coalescing shuffle partitions, switching join strategies, skew): Spark runs it in a stateless
+    micro-batch with an exchange, such as the demo's ``enrich`` (a stream-static broadcast join),
+    where every batch then planned twice, ran its broadcast as a query stage and its result as
+    another, through two more thread pools (``QueryStageCreator``, ``ResultQueryStage``), to
+    adapt a plan that a batch of a few hundred rows leaves as it is. Spark already turns it off
+    for stateful queries. The session's values are put back on the way out; queries started at
+    once from other threads wait for each other."""
+    conf = {SHUFFLE_PARTITIONS_CONF: str(max(1, partitions)), ADAPTIVE_CONF: "false"}
     with _conf_lock:
-        before = spark.conf.get(SHUFFLE_PARTITIONS_CONF)
-        spark.conf.set(SHUFFLE_PARTITIONS_CONF, str(max(1, n)))
+        before = {k: spark.conf.get(k) for k in conf}
+        for k, v in conf.items():
+            spark.conf.set(k, v)
         try:
             yield
         finally:
-            spark.conf.set(SHUFFLE_PARTITIONS_CONF, before)
+            for k, v in before.items():
+                spark.conf.set(k, v)
 
 
 class QueryStarter:
-    """A streaming query's writer whose ``start()`` runs it in ``partitions`` shuffle partitions
-    (:func:`shuffle_partitions`): the runner's first start and every restart from the checkpoint."""
+    """A streaming query's writer whose ``start()`` runs it under :func:`step_query_conf` (the
+    vertex's partitions, no adaptive execution): the runner's first start and every restart from
+    the checkpoint."""
 
     def __init__(self, spark, writer, partitions: int):
         self.spark, self.writer, self.partitions = spark, writer, partitions
 
     def start(self):
-        with shuffle_partitions(self.spark, self.partitions):
+        with step_query_conf(self.spark, self.partitions):
             return self.writer.start()
 
 

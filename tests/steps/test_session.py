@@ -13,6 +13,7 @@ from isbflow.steps.session import (
     DRIVER_JAVA_OPTIONS,
     IDLE_WORKERS,
     IDLE_WORKERS_CONF,
+    QueryStarter,
     driver_conf,
     task_slots,
 )
@@ -38,6 +39,29 @@ def test_checkpoints_are_written_through_the_file_system_api(spark, tmp_path):
     commits = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "commits").iterdir() if f.name.isdigit())
     offsets = sorted(int(f.name) for f in (tmp_path / "checkpoint" / "offsets").iterdir() if f.name.isdigit())
     assert commits == offsets and len(commits) >= 1, (commits, offsets)
+
+
+def test_a_step_query_runs_without_adaptive_execution(spark, tmp_path):
+    """A stream-static broadcast join (the demo's ``enrich``) started the way the runner starts a
+    step (``QueryStarter``) plans its micro-batches once, without adaptive execution; the same query
+    started from the session runs them adaptively (so this test can fail); the session keeps it for
+    its batch work."""
+    from pyspark.sql import functions as F  # lazy: this module's other tests start no Spark
+
+    services = F.broadcast(spark.createDataFrame([("api", "core"), ("web", "edge")], "service string, team string"))
+
+    def last_plan(start, name: str) -> str:
+        events = spark.readStream.format("isb-memory").option("rows", "30").option("batchRows", "10").load()
+        w = (events.join(services, "service", "left").writeStream.format("noop")
+             .option("checkpointLocation", str(tmp_path / name)).trigger(availableNow=True))
+        q = start(w)
+        assert q.awaitTermination(120) and q.exception() is None
+        return q._jsq.explainInternal(False)  # what StreamingQuery.explain() prints: the last batch's plan
+
+    assert "AdaptiveSparkPlan" in last_plan(lambda w: w.start(), "session")
+    step = last_plan(lambda w: QueryStarter(spark, w, 2).start(), "step")
+    assert "BroadcastHashJoin" in step and "AdaptiveSparkPlan" not in step
+    assert spark.conf.get("spark.sql.adaptive.enabled") == "true"
 
 
 def test_a_pipeline_driver_gets_the_lean_jvm_options_unless_told_otherwise(monkeypatch):
