@@ -106,6 +106,15 @@ IDLE_WORKERS_CONF = "spark.python.factory.idleWorkerMaxPoolSize"
 CODEGEN_CACHE_ENTRIES = 500
 CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 
+#: Threads that build broadcast tables at once (a static conf; Spark's default 128). Spark's pool
+#: keeps as many threads as it has, each for a minute after its last broadcast, and starts a new one
+#: for every broadcast until it holds that many: the demo's ``enrich`` (a broadcast join every
+#: micro-batch) kept ~36 threads alive, ~90 KiB of touched stack each in the driver's PSS. Eight
+#: broadcast tables are built at once, the rest wait for one of them (a reference table takes
+#: milliseconds).
+BROADCAST_THREADS = 8
+BROADCAST_THREADS_CONF = "spark.sql.broadcastExchange.maxThreadThreshold"
+
 
 SHUFFLE_PARTITIONS_CONF = "spark.sql.shuffle.partitions"
 #: the session's shuffle partitions for batch work (quality checks, recovery's merges); a step's
@@ -228,7 +237,8 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.ui.killEnabled", "false")
          .config("spark.hadoop.fs.permissions.umask-mode", "077")
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER)
-         .config(CODEGEN_CACHE_CONF, str(CODEGEN_CACHE_ENTRIES)))
+         .config(CODEGEN_CACHE_CONF, str(CODEGEN_CACHE_ENTRIES))
+         .config(BROADCAST_THREADS_CONF, str(BROADCAST_THREADS)))
     conf = dict(conf or {})
     if task_slots(master) is not None:
         b = b.config(IDLE_WORKERS_CONF, str(IDLE_WORKERS))

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from isbflow.steps.session import (
+    BROADCAST_THREADS,
+    BROADCAST_THREADS_CONF,
     CHECKPOINT_FILE_MANAGER,
     CODEGEN_CACHE_CONF,
     CODEGEN_CACHE_ENTRIES,
@@ -121,6 +123,16 @@ def test_spark_keeps_more_generated_classes_than_its_default(spark):
     assert entry.key() == CODEGEN_CACHE_CONF
     assert str(entry.defaultValueString()) == "100"
     assert spark.conf.get(CODEGEN_CACHE_CONF) == str(CODEGEN_CACHE_ENTRIES) == "500"
+
+
+def test_spark_builds_a_few_broadcast_tables_at_once(spark):
+    """The session's pool of broadcast threads holds 8, under the key Spark defines for it (a static
+    conf: a misspelt key, or one set after the JVM started, would leave Spark's 128)."""
+    jvm = spark.sparkContext._jvm
+    entry = jvm.org.apache.spark.sql.internal.StaticSQLConf.BROADCAST_EXCHANGE_MAX_THREAD_THRESHOLD()
+    assert entry.key() == BROADCAST_THREADS_CONF
+    assert str(entry.defaultValueString()) == "128"
+    assert spark.conf.get(BROADCAST_THREADS_CONF) == str(BROADCAST_THREADS) == "8"
 
 
 def test_the_jvm_and_a_launched_driver_run_with_bounded_malloc_arenas(spark, monkeypatch, tmp_path):
