@@ -110,9 +110,8 @@ CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 #: keeps as many threads as it has, each for a minute after its last broadcast, and starts a new one
 #: for every broadcast until it holds that many: the demo's ``enrich`` (a broadcast join every
 #: micro-batch) kept 36 threads alive with adaptive execution, 12 without (:func:`step_query_conf`),
-#: ~90 KiB of touched stack each in the driver's PSS. Eight
-#: broadcast tables are built at once, the rest wait for one of them (a reference table takes
-#: milliseconds).
+#: ~90 KiB of touched stack each in the driver's PSS. Eight broadcast tables are built at once, the
+#: rest wait for one of them (a reference table takes milliseconds).
 BROADCAST_THREADS = 8
 BROADCAST_THREADS_CONF = "spark.sql.broadcastExchange.maxThreadThreshold"
 
