@@ -58,13 +58,19 @@ ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 START_TIMEOUT = 120.0
 
 #: the launcher's Python (run with -I -S: no site-packages, nothing from the environment). It imports
-#: only C modules (``_socket``, ``_signal``, ``_struct``; no ``json``, ``socket`` or ``signal``, which
-#: pull in ``re`` and ``enum``): Spark keeps one launcher per Python process it runs (13 on the demo),
-#: and each held 4.3 MiB of private memory, 2.9 MiB with these imports. The request is
-#: NUL-separated (no argument, environment entry or path can hold a NUL):
+#: only C modules (``_socket``, ``_signal``, ``_struct``, ``select``; no ``json``, ``socket`` or
+#: ``signal``, which pull in ``re`` and ``enum``): Spark keeps one launcher per Python process it runs
+#: (13 on the demo), and each held 4.3 MiB of private memory, 2.9 MiB with these imports. The request
+#: is NUL-separated (no argument, environment entry or path can hold a NUL):
 #: ``module, cwd, len(argv), *argv, *("NAME=value" for the environment)``; :func:`decode_request`.
+#:
+#: It never blocks in ``recv``: Python runs a signal's handler between bytecodes, so a signal that
+#: lands after the last check and before a blocking ``recv`` enters the kernel would wait until the
+#: child ended (the same race made the test's probe sleep through a SIGTERM: 2-9 in 300-500 tries).
+#: A signal also writes a byte to a wakeup pipe (``set_wakeup_fd``), and ``select`` waits on that
+#: pipe and the socket: the handler runs as soon as the signal lands.
 LAUNCHER = r'''
-import _signal, _socket, _struct, os, sys
+import _signal, _socket, _struct, os, select, sys
 REAL, SOCK, FORKED = {real!r}, {sock!r}, {forked!r}
 args = sys.argv[1:]
 pid, pending = 0, []
@@ -82,6 +88,8 @@ def cold():
     os.execv(REAL, [REAL] + args)
 if len(args) < 2 or args[0] != "-m" or args[1] not in FORKED:
     cold()
+wake, woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+_signal.set_wakeup_fd(woken)
 for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
     _signal.signal(sig, forward)
 try:
@@ -99,6 +107,9 @@ if sent < len(req):
 def recv(n):
     b = b""
     while len(b) < n:
+        if s not in select.select([s, wake], [], [])[0]:
+            os.read(wake, 64)  # a signal: its handler has run
+            continue
         c = s.recv(n - len(b))
         if not c:
             sys.exit(1)

@@ -14,7 +14,10 @@ if __name__ == "__main__":
             sys.exit(7)
         signal.signal(signal.SIGTERM, stop)
         print("waiting", flush=True)
-        time.sleep(60)
+        # short sleeps: a signal that lands just before a long sleep's system call would wait it out
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
         sys.exit(1)
     line = sys.stdin.readline().strip()
     print(json.dumps({"argv": sys.argv[1:], "probe": os.environ.get("ZYGOTE_PROBE"), "cwd": os.getcwd(),
