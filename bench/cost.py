@@ -224,10 +224,12 @@ def demo_window(work: Path, record, producer: Producer, pipeline: str, raw: Path
     tree = cm.descendants(record.pid)
     sampler = Sampler(record.pid, sample_every)
     t0, cpu0, b0, e0 = time.time(), tree_cpu_seconds(tree), batches_per_query(work, pipeline), producer.published
+    split0 = cost_profile.cpu_snapshot(tree)
     la0 = os.getloadavg()
     time.sleep(seconds)
     tree = cm.descendants(record.pid)
     t1, cpu1, b1, e1 = time.time(), tree_cpu_seconds(tree), batches_per_query(work, pipeline), producer.published
+    split1 = cost_profile.cpu_snapshot(tree)
     mem = sampler.stop()
     if record.alive() is False:
         raise RuntimeError(f"the driver exited; its log {record.log}:\n{record.log_tail()}")
@@ -239,7 +241,8 @@ def demo_window(work: Path, record, producer: Producer, pipeline: str, raw: Path
                kept_up=bool(out["events"]) and gained >= KEPT_UP * out["events"],
                batches_per_query_per_s=round(min(per_query.values(), default=0) / (t1 - t0), 3),
                latency_rows=len(lat), latency_p50_s=cm.percentile(lat, 0.5), latency_p99_s=cm.percentile(lat, 0.99),
-               load_average_start=list(la0), load_average_end=list(os.getloadavg()))
+               load_average_start=list(la0), load_average_end=list(os.getloadavg()),
+               where_cpu_goes=cost_profile.cpu_split(split0, split1, out["batches"]))
     return out
 
 

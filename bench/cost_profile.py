@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -81,10 +82,74 @@ def process_kind(pid: int) -> str:
     args = [a.decode(errors="replace") for a in argv if a]
     if args and args[0].endswith("java"):
         return "jvm"
+    if "isbflow.steps.zygote_server" in args:  # the zygote, or a child it forked (named for its module)
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return "gone"
+        return {"isbflow-source": "source runners", "isbflow-daemon": "daemons and workers"}.get(comm, "zygote")
+    if any(a.endswith("launch.py") for a in args):
+        return "launchers"
     if "-m" in args:
         i = args.index("-m")
         return " ".join(args[i + 1:i + 3]).replace("pyspark.", "")
     return "driver python" if any("isbflow" in a for a in args) else Path(args[0]).name if args else "?"
+
+
+#: JVM threads by what they do, from their ``comm`` (Linux keeps a thread name's first 15 bytes)
+JVM_THREADS = (("C2 CompilerThre", "jit"), ("C1 CompilerThre", "jit"), ("VM Thread", "gc and safepoints"),
+               ("stream executio", "stream threads"), ("Executor task l", "tasks"),
+               ("dag-scheduler-e", "scheduler"), ("task-result-get", "scheduler"))
+
+
+def thread_group(comm: str) -> str:
+    return next((group for prefix, group in JVM_THREADS if comm.startswith(prefix)), "other threads")
+
+
+def cpu_snapshot(pids: list[int]) -> dict:
+    """For :func:`cpu_split`: each process's kind and CPU seconds (its own and its reaped children's),
+    and each thread's of the JVM, from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat_cpu(path: str) -> tuple[str, float, float] | None:
+        try:
+            stat = Path(path).read_text()
+        except OSError:
+            return None
+        f = stat[stat.rfind(")") + 2:].split()
+        return stat[stat.find("(") + 1:stat.rfind(")")], (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick
+
+    procs, threads = {}, {}
+    for pid in pids:
+        st = stat_cpu(f"/proc/{pid}/stat")
+        if st is None:
+            continue
+        kind = process_kind(pid)
+        procs[pid] = (kind, st[1] + st[2])
+        if kind == "jvm":
+            for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+                t = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+                if t is not None:
+                    threads[int(tid)] = (thread_group(t[0]), t[1])
+    return {"procs": procs, "threads": threads}
+
+
+def cpu_split(before: dict, after: dict, batches: int) -> dict:
+    """CPU ms per micro-batch between two :func:`cpu_snapshot`: by kind of process (alive at the end; a
+    process that started in between counts whole), and the JVM's by kind of thread. A thread that
+    ended in between (Spark's task threads end with their tasks) is in ``ended threads``: the JVM's
+    growth less its live threads'."""
+    per = max(1, batches) / 1000.0
+    kinds: dict[str, float] = {}
+    for pid, (kind, cpu) in after["procs"].items():
+        kinds[kind] = kinds.get(kind, 0.0) + cpu - before["procs"].get(pid, (kind, 0.0))[1]
+    groups: dict[str, float] = {}
+    for tid, (group, cpu) in after["threads"].items():
+        groups[group] = groups.get(group, 0.0) + cpu - before["threads"].get(tid, (group, 0.0))[1]
+    jvm = kinds.get("jvm", 0.0)
+    groups["ended threads"] = max(0.0, jvm - sum(groups.values()))
+    return {"process_ms_per_batch": {k: round(v / per, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "jvm_ms_per_batch": {k: round(v / per, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
 
 
 def pyspy_top(pids: list[int], seconds: float, top: int = 12) -> dict:

@@ -22,7 +22,7 @@ import traceback
 
 import pyspark
 
-from isbflow.steps.zygote import PRELOAD, decode_request
+from isbflow.steps.zygote import DAEMON, PRELOAD, SOURCE_RUNNER, decode_request
 
 MAX_REQUEST = 1 << 20
 
@@ -75,6 +75,19 @@ def _import_path(pythonpath: str) -> list[str]:
     return out
 
 
+#: the name (``comm``: what ``top`` and ``ps -o comm`` show) a forked child takes for the module it
+#: runs; its command line stays the zygote's. A daemon's workers are its forks: they keep its name.
+NAMES = {SOURCE_RUNNER: "isbflow-source", DAEMON: "isbflow-daemon"}
+
+
+def _name(module: str) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(NAMES.get(module, module.rpartition(".")[2])[:15])
+    except OSError:
+        pass  # a name is for the eye only
+
+
 def _child(req: dict, fds: list[int]) -> None:
     """In the forked child: become the runner Spark asked for, on the launcher's streams."""
     code = 1
@@ -85,6 +98,7 @@ def _child(req: dict, fds: list[int]) -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a Python started cold
+        _name(req["module"])
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])

@@ -51,6 +51,11 @@ def test_quick_cost_reports_the_demo_and_both_floors(tmp_path):
     assert d["latency_rows"] > 0 and 0 < d["latency_p50_s"] <= d["latency_p99_s"], d
     assert 0 < d["sink_rows"] and d["kept_up"] is (d["sink_rows"] >= 0.9 * d["events"]), d
     assert x["floor_python"]["duration_ms_per_batch"].get("latestOffset") is not None, x["floor_python"]
+    # where the demo's CPU went, by kind of process and the JVM's by kind of thread (from /proc)
+    split = d["where_cpu_goes"]
+    assert split["process_ms_per_batch"]["jvm"] > 0 and split["process_ms_per_batch"]["driver python"] > 0, split
+    assert {"jit", "gc and safepoints", "stream threads"} <= set(split["jvm_ms_per_batch"]), split
+    assert sum(split["jvm_ms_per_batch"].values()) == pytest.approx(split["process_ms_per_batch"]["jvm"], abs=1), split
     for key in ("cpu_ms_per_batch", "cores"):
         for kind in ("rate", "python"):
             ratio = x["ratios"][f"{key}_over_{kind}"]

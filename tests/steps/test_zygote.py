@@ -43,6 +43,8 @@ def test_a_forked_child_gets_the_launchers_argv_environment_directory_streams_an
     assert seen["ppid"] == zyg.proc.pid and seen["preloaded"] is True
     # and kept out of the cyclic GC (gc.freeze): measured on the demo, 62% -> 44% of a core
     assert seen["frozen"] > 10_000, seen["frozen"]
+    # named for its module (what top shows): its command line is the zygote's
+    assert seen["comm"] == "zygote_probe"
     assert "to stderr" in r.stderr
 
 
@@ -118,6 +120,8 @@ def test_spark_forks_its_source_runners_from_the_zygote(spark, tmp_path):
                     if script in (p.info["cmdline"] or []) and zygote.SOURCE_RUNNER in p.info["cmdline"]]
         assert launched, "no source runner started through the launcher"
         assert server.children(), "the zygote forked no process"
+        # the runner is named for what it runs (top shows it), its command line being the zygote's
+        assert "isbflow-source" in [c.name() for c in server.children()], [c.name() for c in server.children()]
     finally:
         q.stop()
 
