@@ -10,6 +10,7 @@ import time
 
 import _common as cm
 from _common import log
+from cost_profile import cpu_snapshot, cpu_split
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from soak import tree_cpu_seconds
 
@@ -92,10 +93,12 @@ def floors_child(cfg: dict) -> dict:
                 time.sleep(1)
             time.sleep(cfg["warmup"] + (cfg.get("settle", 0.0) if n == 0 else 0.0))
             sampler = Sampler(os.getpid(), cfg["sample_every"])
-            t0, cpu0 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
+            tree = cm.descendants(os.getpid())
+            t0, cpu0, split0 = time.time(), tree_cpu_seconds(tree), cpu_snapshot(tree, os.getpid())
             ids0 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
             time.sleep(cfg["window"])
-            t1, cpu1 = time.time(), tree_cpu_seconds(cm.descendants(os.getpid()))
+            tree = cm.descendants(os.getpid())
+            t1, cpu1, split1 = time.time(), tree_cpu_seconds(tree), cpu_snapshot(tree, os.getpid())
             ids1 = [(q.lastProgress or {}).get("batchId", -1) for q in qs]
             mem = sampler.stop()
             phases: dict[str, int] = {}
@@ -111,7 +114,8 @@ def floors_child(cfg: dict) -> dict:
             w = window_figures(cpu1 - cpu0, t1 - t0, int(rate * (t1 - t0)), batches)
             w.update(mem, restarts=restarts, rows_per_query_per_s=round(rows / cfg["queries"] / (t1 - t0), 1),
                      batches_per_query_per_s=round(min(b - a for a, b in zip(ids0, ids1, strict=True)) / (t1 - t0), 3),
-                     duration_ms_per_batch={k: round(v / batches, 1) for k, v in phases.items()} if batches else {})
+                     duration_ms_per_batch={k: round(v / batches, 1) for k, v in phases.items()} if batches else {},
+                     where_cpu_goes=cpu_split(split0, split1, batches))
             out.setdefault(str(rate), {})[kind] = w
             log(f"floor {kind} {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch")
     out["child_cpu_s"] = tree_cpu_seconds(cm.descendants(os.getpid()))

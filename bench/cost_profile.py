@@ -98,17 +98,21 @@ def process_kind(pid: int) -> str:
 
 #: JVM threads by what they do, from their ``comm`` (Linux keeps a thread name's first 15 bytes)
 JVM_THREADS = (("C2 CompilerThre", "jit"), ("C1 CompilerThre", "jit"), ("VM Thread", "gc and safepoints"),
-               ("stream executio", "stream threads"), ("Executor task l", "tasks"),
-               ("dag-scheduler-e", "scheduler"), ("task-result-get", "scheduler"))
+               ("stream executio", "stream threads"), ("Executor task", "tasks"),
+               ("dag-scheduler-e", "scheduler"), ("task-result-get", "scheduler"),
+               ("spark-listener-", "listener bus"), ("element-trackin", "listener bus"),
+               ("Thread-", "py4j calls"), ("broadcast-excha", "broadcast"),
+               ("dispatcher-", "rpc"), ("rpc-", "rpc"), ("netty-", "rpc"), ("shuffle-", "rpc"))
 
 
 def thread_group(comm: str) -> str:
     return next((group for prefix, group in JVM_THREADS if comm.startswith(prefix)), "other threads")
 
 
-def cpu_snapshot(pids: list[int]) -> dict:
+def cpu_snapshot(pids: list[int], driver: int | None = None) -> dict:
     """For :func:`cpu_split`: each process's kind and CPU seconds (its own and its reaped children's),
-    and each thread's of the JVM, from ``/proc``."""
+    and each thread's of the JVM, from ``/proc``; ``driver``: the pid that is the driver's Python
+    (the floors' driver is the bench's child process)."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def stat_cpu(path: str) -> tuple[str, float, float] | None:
@@ -124,7 +128,7 @@ def cpu_snapshot(pids: list[int]) -> dict:
         st = stat_cpu(f"/proc/{pid}/stat")
         if st is None:
             continue
-        kind = process_kind(pid)
+        kind = "driver python" if pid == driver else process_kind(pid)
         procs[pid] = (kind, st[1] + st[2])
         if kind == "jvm":
             for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
