@@ -90,14 +90,19 @@ class Sampler:
     def __init__(self, root: int, every: float):
         self.root, self.every = root, every
         self.samples: list[dict] = []
+        #: CPU seconds this sampler's thread spent (reading ``smaps_rollup`` of every process costs the
+        #: reader kernel time): taken out of a window whose tree holds the sampler (the floors')
+        self.cpu_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cost-sampler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        start = time.thread_time()
         while True:
             tree = cm.descendants(self.root)
             self.samples.append({**cm.tree_memory(tree), "load1": os.getloadavg()[0], "processes": len(tree)})
+            self.cpu_s = time.thread_time() - start
             if self._stop.wait(self.every):
                 return
 
@@ -111,6 +116,7 @@ class Sampler:
             out[f"{k[:3]}_peak_bytes"] = max(x[k] for x in s)
         out["load_average_mean"] = round(sum(x["load1"] for x in s) / len(s), 2)
         out["processes_max"] = max(x["processes"] for x in s)
+        out["sampler_cpu_s"] = round(self.cpu_s, 3)
         return out
 
 

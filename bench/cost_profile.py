@@ -138,15 +138,18 @@ def cpu_snapshot(pids: list[int], driver: int | None = None) -> dict:
     return {"procs": procs, "threads": threads}
 
 
-def cpu_split(before: dict, after: dict, batches: int) -> dict:
+def cpu_split(before: dict, after: dict, batches: int, less: dict[str, float] | None = None) -> dict:
     """CPU ms per micro-batch between two :func:`cpu_snapshot`: by kind of process (alive at the end; a
     process that started in between counts whole), and the JVM's by kind of thread. A thread that
     ended in between (Spark's task threads end with their tasks) is in ``ended threads``: the JVM's
-    growth less its live threads'."""
+    growth less its live threads'. ``less``: CPU seconds of a kind that were not the work measured
+    (the bench's own sampler in the floors' driver)."""
     per = max(1, batches) / 1000.0
     kinds: dict[str, float] = {}
     for pid, (kind, cpu) in after["procs"].items():
         kinds[kind] = kinds.get(kind, 0.0) + cpu - before["procs"].get(pid, (kind, 0.0))[1]
+    for kind, cpu in (less or {}).items():
+        kinds[kind] = kinds.get(kind, 0.0) - cpu
     groups: dict[str, float] = {}
     for tid, (group, cpu) in after["threads"].items():
         groups[group] = groups.get(group, 0.0) + cpu - before["threads"].get(tid, (group, 0.0))[1]

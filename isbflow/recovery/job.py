@@ -35,7 +35,7 @@ T = TypeVar("T")
 #: a heartbeat younger than this means the step still runs
 RUNNING_HEARTBEAT_S = 30.0
 #: while draining, a step whose heartbeat has not moved for this long is taken as gone
-#: (its driver was killed); runners beat every 2 s
+#: (its driver was killed); runners beat every 2-5 s (isbflow.steps.runner.heartbeat_interval_s)
 SILENT_HEARTBEAT_S = 15.0
 
 

@@ -104,7 +104,13 @@ from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir, query_name
 from isbflow.steps import drain
-from isbflow.steps.runner import PipelineRunner, StepError, checkpoint_epoch, epoch_file
+from isbflow.steps.runner import (
+    HEARTBEAT_S,
+    PipelineRunner,
+    StepError,
+    checkpoint_epoch,
+    epoch_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +456,8 @@ def _replay_pipelined(runner, nc, p: Pipeline, order: list[str], run: Callable, 
 
     def go() -> None:
         try:
-            result["out"] = runner.run_continuous(only=order, poll=0.2)
+            # the replay beats as often as it always did: its drains are noticed on a beat
+            result["out"] = runner.run_continuous(only=order, poll=0.2, heartbeat_every=HEARTBEAT_S)
         except BaseException as e:  # noqa: BLE001 - raised again below, in the caller's thread
             result["error"] = e
 

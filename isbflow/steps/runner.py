@@ -130,6 +130,8 @@ EVENT_TRIGGER_S = 0.25
 #: heartbeat interval and beats every :data:`QUIET_HEARTBEAT_S` (well inside the UI's 30 s staleness)
 QUIET_AFTER_S = 10.0
 QUIET_HEARTBEAT_S = 5.0
+#: the shortest heartbeat interval of a busy continuous run (:func:`heartbeat_interval_s`)
+HEARTBEAT_S = 2.0
 
 
 def trigger_interval(p: Pipeline, v: Vertex, override: str | None = None, event_driven: bool = False) -> str:
@@ -157,6 +159,15 @@ def latency_budget_s(p: Pipeline, override: str | None = None) -> float:
     waits at most before its first step takes it. Chooses the driver's JVM options
     (:func:`isbflow.steps.session.driver_conf`). Validation ensures a pipeline has a source."""
     return min(interval_s(trigger_interval(p, v, override)) for v in p.spec.vertices if v.source)
+
+
+def heartbeat_interval_s(p: Pipeline, override: str | None = None) -> float:
+    """How often a busy continuous run beats: the pipeline's latency budget (:func:`latency_budget_s`),
+    at least :data:`HEARTBEAT_S` and at most :data:`QUIET_HEARTBEAT_S`. A beat writes every step's
+    status and reads its counters, control key and failure (NATS requests and Py4J calls per step):
+    with a 5 s budget, data moves every 5 s and a 2 s beat wrote each status two or three times
+    between its batches (the README's *Cost* section has what it cost)."""
+    return min(QUIET_HEARTBEAT_S, max(HEARTBEAT_S, latency_budget_s(p, override)))
 
 
 class PipelineRunner:
@@ -560,17 +571,19 @@ class PipelineRunner:
                 on_step(vertex, run.status)
         return out
 
-    def run_continuous(self, only: list[str] | None = None, poll: float = 0.5, heartbeat_every: float = 2.0,
+    def run_continuous(self, only: list[str] | None = None, poll: float = 0.5, heartbeat_every: float | None = None,
                        should_stop: Callable[[], bool] | None = None) -> dict[str, st.StepStatus]:
         """All steps at once; returns when every step has drained (or ``should_stop``).
 
         The loop looks at the queries every ``poll`` seconds and beats every ``heartbeat_every``
-        while they work; once no step has run a batch for :data:`QUIET_AFTER_S` it looks once per
+        (default :func:`heartbeat_interval_s`: the latency budget, 2-5 s) while they work; once no step has run a batch for :data:`QUIET_AFTER_S` it looks once per
         ``heartbeat_every`` and beats every :data:`QUIET_HEARTBEAT_S`. A look asks Spark for a
         query's progress only when its checkpoint holds a batch not yet accounted for
         (:func:`has_new_batch`: a ``stat``); the control keys (drain), failed queries and the
         counters are read on the beat (each costs Py4J calls or NATS requests per step), and every
         look while a step drains."""
+        if heartbeat_every is None:
+            heartbeat_every = heartbeat_interval_s(self.p, self.processing_time)
         vertices = self.steps(only)
         for v in vertices:
             self.nats.run(st.clear_drain_point(self.nats.nc, self.p.name, v))

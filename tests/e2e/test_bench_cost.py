@@ -58,6 +58,8 @@ def test_quick_cost_reports_the_demo_and_both_floors(tmp_path):
     assert sum(split["jvm_ms_per_batch"].values()) == pytest.approx(split["process_ms_per_batch"]["jvm"], abs=1), split
     for floor in ("floor_rate", "floor_python"):  # the same split for the floors, to set beside the demo's
         assert {"jvm", "driver python"} <= set(x[floor]["where_cpu_goes"]["process_ms_per_batch"]), x[floor]
+        # the floors' sampler runs in the tree they measure: what it spent is counted, then taken out
+        assert x[floor]["sampler_cpu_s"] > 0, x[floor]
     for key in ("cpu_ms_per_batch", "cores"):
         for kind in ("rate", "python"):
             ratio = x["ratios"][f"{key}_over_{kind}"]

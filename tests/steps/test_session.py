@@ -104,6 +104,17 @@ def test_a_pipelines_latency_budget_is_its_sources_shortest_trigger():
     assert latency_budget_s(p, "200 milliseconds") == 0.2  # a runner's processing time for every step
 
 
+def test_a_busy_run_beats_at_its_latency_budget_between_2_and_5_seconds():
+    from isbflow.spec import load_specs
+    from isbflow.steps.runner import heartbeat_interval_s
+
+    p = load_specs([ROOT / "pipelines" / "logs.yaml"]).only_pipeline()
+    assert heartbeat_interval_s(p) == 5.0  # the demo: data moves every 5 s
+    assert heartbeat_interval_s(p, "200 milliseconds") == 2.0
+    assert heartbeat_interval_s(p, "3 seconds") == 3.0
+    assert heartbeat_interval_s(p, "1 minute") == 5.0  # well inside the UI's 30 s staleness
+
+
 def test_spark_keeps_one_idle_python_worker_per_kind_on_a_local_master(spark):
     """The session bounds Spark's idle Python workers per kind to one on a local master, under a key
     Spark itself defines (a misspelt key would be ignored without a word)."""
