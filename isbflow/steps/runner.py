@@ -576,8 +576,9 @@ class PipelineRunner:
         """All steps at once; returns when every step has drained (or ``should_stop``).
 
         The loop looks at the queries every ``poll`` seconds and beats every ``heartbeat_every``
-        (default :func:`heartbeat_interval_s`: the latency budget, 2-5 s) while they work; once no step has run a batch for :data:`QUIET_AFTER_S` it looks once per
-        ``heartbeat_every`` and beats every :data:`QUIET_HEARTBEAT_S`. A look asks Spark for a
+        (default :func:`heartbeat_interval_s`: the latency budget, 2-5 s) while they work; once no
+        step has run a batch for :data:`QUIET_AFTER_S` it looks once per ``heartbeat_every`` and
+        beats every :data:`QUIET_HEARTBEAT_S`. A look asks Spark for a
         query's progress only when its checkpoint holds a batch not yet accounted for
         (:func:`has_new_batch`: a ``stat``); the control keys (drain), failed queries and the
         counters are read on the beat (each costs Py4J calls or NATS requests per step), and every
