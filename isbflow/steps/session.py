@@ -115,6 +115,23 @@ CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 BROADCAST_THREADS = 8
 BROADCAST_THREADS_CONF = "spark.sql.broadcastExchange.maxThreadThreshold"
 
+#: The buffer Spark serializes a broadcast into grows in pieces of this size: 256 KiB, not Spark's
+#: 4 MiB. Every job broadcasts its task binary (and a stateful batch its Hadoop configuration, twice),
+#: so each took a fresh 4 MiB array however small the object: on the demo's driver (JFR, allocations
+#: outside TLABs, 30 s at minute 14) 47 such arrays from the DAG scheduler alone, 250 MB of the 530
+#: MB allocated outside TLABs. Transient, but they filled the young generation, so collections came
+#: more often and carried the batch's live objects into the old one (8-9 MB a collection), and full
+#: collections (~240 ms each) followed every 15-20 s. A broadcast larger than a piece is still one
+#: broadcast, in more pieces (the README's *Cost* section has the runs).
+BROADCAST_BLOCK = "256k"
+BROADCAST_BLOCK_CONF = "spark.broadcast.blockSize"
+#: The page Spark's hash maps and sorters take memory in: 1 MiB, the smallest Spark derives itself
+#: (from the heap and the cores), not the 8 MiB it derives from the driver's heap here: the demo's ``enrich`` built the
+#: hash table of a reference table of a few rows in a fresh 8 MiB page every micro-batch. A map that
+#: outgrows a page takes another (a record larger than a page gets a page of its size).
+PAGE_SIZE = "1m"
+PAGE_SIZE_CONF = "spark.buffer.pageSize"
+
 
 SHUFFLE_PARTITIONS_CONF = "spark.sql.shuffle.partitions"
 #: the session's shuffle partitions for batch work (quality checks, recovery's merges); a step's
@@ -238,7 +255,9 @@ def spark_session(master: str = "local[2]", app_name: str = "isbflow", conf: dic
          .config("spark.hadoop.fs.permissions.umask-mode", "077")
          .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER)
          .config(CODEGEN_CACHE_CONF, str(CODEGEN_CACHE_ENTRIES))
-         .config(BROADCAST_THREADS_CONF, str(BROADCAST_THREADS)))
+         .config(BROADCAST_THREADS_CONF, str(BROADCAST_THREADS))
+         .config(BROADCAST_BLOCK_CONF, BROADCAST_BLOCK)
+         .config(PAGE_SIZE_CONF, PAGE_SIZE))
     conf = dict(conf or {})
     if task_slots(master) is not None:
         b = b.config(IDLE_WORKERS_CONF, str(IDLE_WORKERS))

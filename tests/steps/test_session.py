@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from isbflow.steps.session import (
+    BROADCAST_BLOCK,
+    BROADCAST_BLOCK_CONF,
     BROADCAST_THREADS,
     BROADCAST_THREADS_CONF,
     CHECKPOINT_FILE_MANAGER,
@@ -15,6 +17,8 @@ from isbflow.steps.session import (
     DRIVER_JAVA_OPTIONS,
     IDLE_WORKERS,
     IDLE_WORKERS_CONF,
+    PAGE_SIZE,
+    PAGE_SIZE_CONF,
     QueryStarter,
     driver_conf,
     task_slots,
@@ -144,6 +148,26 @@ def test_spark_builds_a_few_broadcast_tables_at_once(spark):
     assert entry.key() == BROADCAST_THREADS_CONF
     assert str(entry.defaultValueString()) == "128"
     assert spark.conf.get(BROADCAST_THREADS_CONF) == str(BROADCAST_THREADS) == "8"
+
+
+def test_spark_serializes_broadcasts_and_takes_pages_in_small_pieces(spark):
+    """A broadcast's buffer grows 256 KiB at a time and a hash map's or sorter's page is 1 MiB, under the
+    keys Spark defines (a misspelt key would leave its 4 MiB pieces and pages derived from the heap);
+    a broadcast larger than a piece still arrives whole."""
+    jvm = spark.sparkContext._jvm
+    config = getattr(getattr(jvm.org.apache.spark.internal.config, "package$"), "MODULE$")  # Scala's object
+    assert config.BROADCAST_BLOCKSIZE().key() == BROADCAST_BLOCK_CONF
+    assert str(config.BROADCAST_BLOCKSIZE().defaultValueString()) == "4m"
+    assert config.BUFFER_PAGESIZE().key() == PAGE_SIZE_CONF
+    conf = spark.sparkContext.getConf()
+    assert conf.get(BROADCAST_BLOCK_CONF) == BROADCAST_BLOCK == "256k"
+    assert conf.get(PAGE_SIZE_CONF) == PAGE_SIZE == "1m"
+    big = list(range(200_000))  # ~1 MB pickled: four pieces at least
+    b = spark.sparkContext.broadcast(big)
+    try:
+        assert spark.sparkContext.parallelize([0, 1], 2).map(lambda i: len(b.value) + i).collect() == [200_000, 200_001]
+    finally:
+        b.destroy()
 
 
 def test_the_jvm_and_a_launched_driver_run_with_bounded_malloc_arenas(spark, monkeypatch, tmp_path):
