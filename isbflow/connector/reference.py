@@ -11,7 +11,9 @@ source's ``read`` runs again each time (checked on PySpark 4.3: a value
 changed in the source between batches showed up in the next batch). So the
 table is loaded once per micro-batch, broadcast, and picks up changes with
 no per-record call to anything. The schema is taken from the table when the
-query is planned; a column added later needs a restart of the step.
+query is planned; a column added later needs a restart of the step. A pipeline's
+step does not pay that read every batch: its runner caches the table and reads
+it again when the bucket's revision moves (``PipelineRunner._references``).
 
 A load that does not finish within the ``timeout`` option (seconds, default
 :data:`isbflow.isb.reference.LOAD_TIMEOUT`) fails the planning or the batch with

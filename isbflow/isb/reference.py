@@ -57,6 +57,11 @@ def _bucket_stream(bucket: str) -> str:
     return f"KV_{bucket}"
 
 
+def bucket_stream(pipeline: str, name: str) -> str:
+    """The stream behind reference table ``name`` of ``pipeline``: its last sequence is the revision."""
+    return _bucket_stream(naming.reference_bucket(pipeline, name))
+
+
 def _not_found(pipeline: str, name: str, settings: NatsSettings) -> ReferenceError:
     return ReferenceError(
         f"reference table {name!r} of pipeline {pipeline} does not exist on {settings.display} "

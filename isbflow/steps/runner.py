@@ -10,8 +10,9 @@ transforms DataFrames:
   reason; the rest flow on with their ``_isb_id``;
 * **udf**: read the frames of every input edge partition, call
   ``module:function(df, **references)``; each reference is a broadcast
-  ``isb-ref`` table, re-read every micro-batch, so a changed value shows up on
-  the next batch;
+  ``isb-ref`` table, cached in the driver and read again when its KV bucket's
+  revision moves (the runner asks on every heartbeat, 2-5 s), so a changed value
+  shows up in a batch after the next beat;
 * **sink**: read the frames and write the Delta table (Spark's Parquet writer, one delta-rs commit
   per micro-batch: :mod:`isbflow.sinks.delta_spark`) or the PostgreSQL table.
 
@@ -79,6 +80,7 @@ from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
 from isbflow.isb.read import stream_state
+from isbflow.isb.reference import bucket_stream as reference_stream
 from isbflow.isb.release import release
 from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
@@ -196,6 +198,8 @@ class PipelineRunner:
         self.sink_mode = sink_mode
         self.merge_keys = merge_keys or {}
         self.sink_policies: dict[str, sink_policy.SinkPolicy] = {}  # sink vertex -> its failure policy
+        #: (reference, key column) -> the cached DataFrame and the bucket revision it was cached at
+        self._refs: dict[tuple[str, str], tuple[Any, int | None]] = {}
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
 
     # ------------------------------------------------------------------ planning
@@ -279,12 +283,45 @@ class PipelineRunner:
         return first
 
     def _references(self, v: Vertex) -> dict[str, Any]:
+        """The vertex's reference tables, each a broadcast ``isb-ref`` DataFrame cached in the driver.
+
+        Spark plans a stream-static join's static side again for every micro-batch; uncached, a Python
+        source's side cost every batch a planning call in a Python process and a read task that
+        connected to NATS and read the whole bucket. Cached, a batch builds its broadcast from the
+        driver's memory; :meth:`_refresh_references` drops the cache when the bucket's revision moves,
+        and the next batch reads the table again."""
         refs = {}
         for r in (v.udf.references if v.udf else []):
-            df = (self.spark.read.format("isb-ref").option("pipeline", self.p.name).option("name", r.name)
-                  .option("key", r.key).option("settings", self.settings_json).load())
-            refs[r.name.replace("-", "_")] = F.broadcast(df)
+            cached = self._refs.get((r.name, r.key))
+            if cached is None:
+                revision = self._reference_revision(r.name)  # before the read: a put racing it reloads
+                df = (self.spark.read.format("isb-ref").option("pipeline", self.p.name).option("name", r.name)
+                      .option("key", r.key).option("settings", self.settings_json).load()).persist()
+                cached = self._refs[(r.name, r.key)] = (df, revision)
+            refs[r.name.replace("-", "_")] = F.broadcast(cached[0])
         return refs
+
+    def _reference_revision(self, name: str) -> int | None:
+        """The reference bucket's revision: its stream's last sequence (``None`` when it is missing)."""
+        state = self.nats.run(stream_state(self.nats.nc, reference_stream(self.p.name, name)))
+        return state.last_seq if state is not None else None
+
+    def _refresh_references(self, vertex: str) -> None:
+        """On the beat: a reference of ``vertex`` whose bucket moved since it was cached is read again
+        by the next micro-batch that joins it (the same DataFrame, cached anew)."""
+        v = self.p.vertex(vertex)
+        for r in (v.udf.references if v.udf else []):
+            cached = self._refs.get((r.name, r.key))
+            if cached is None:
+                continue
+            revision = self._reference_revision(r.name)
+            if revision != cached[1]:
+                df = cached[0]
+                df.unpersist()
+                df.persist()
+                self._refs[(r.name, r.key)] = (df, revision)
+                log.info("step %s: reference %s changed (revision %s -> %s); the next batch reads it again",
+                         vertex, r.name, cached[1], revision)
 
     def apply_transform(self, vertex: str, df):
         """What a vertex does to its input DataFrame (source parse, user transform, or nothing)."""
@@ -495,6 +532,7 @@ class PipelineRunner:
 
     def _heartbeat(self, run: StepRun) -> None:
         assert run.status is not None
+        self._refresh_references(run.vertex)
         self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
         if self.metrics is not None:
             self.metrics.observe(self, run)
@@ -693,4 +731,7 @@ class PipelineRunner:
 
     def close(self) -> None:
         self.stop_all()
+        for df, _ in self._refs.values():  # the session may outlive the runner (tests, recovery)
+            df.unpersist()
+        self._refs.clear()
         self.nats.close()
