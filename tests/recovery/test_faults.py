@@ -288,19 +288,21 @@ def test_g_loss_while_draining_then_loss_while_recovering(spark, nats_server, tm
     during_recovery = naming.EdgePartition(p.name, "parse", "enrich", 1).stream
 
     async def drain_losing_a_buffer():
-        """Drain; as soon as the source reports drained, delete enrich -> raw (raw still runs)."""
+        """Drain; once the source is told to drain (the first look), delete enrich -> raw while the
+        records just published are still upstream of it. (Waiting for the source to report drained
+        raced with the pipeline: in run59 the drain then ended without a failure, most likely because
+        enrich and raw had caught up, so the deleted buffer held nothing more for them.)"""
         nc = await connect(settings)
         deleted: list[asyncio.Future] = []
 
         def on_update(statuses) -> None:
-            s = statuses.get("in")
-            if not deleted and s is not None and s.state == "drained":
+            if not deleted:
                 deleted.append(asyncio.ensure_future(nc.jetstream().delete_stream(during_drain)))
 
         try:
             with pytest.raises(DrainTimeout) as e:
                 await drain_pipeline(nc, p, timeout=300, on_update=on_update)
-            assert deleted, "the source never reported drained"
+            assert deleted, "the drain never looked at the steps"
             await asyncio.gather(*deleted)
             return e.value
         finally:
