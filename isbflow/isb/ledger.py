@@ -79,7 +79,7 @@ from nats.js.errors import (
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
-from isbflow.isb.connect import run_with
+from isbflow.isb.connect import run_kept
 from isbflow.isb.dlq import dead_letter_origins
 from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, used through this module too
@@ -281,10 +281,9 @@ async def bucket_keys(nc, bucket: str) -> list[str]:
 
 
 def record_sync(settings, pipeline: str, sink: str, ranges: PartitionRanges) -> None:
-    """:func:`record` from synchronous code (the Delta sink's driver-side commit)."""
-
-
-    run_with(settings, lambda nc: record(nc, pipeline, sink, ranges), name=f"isbflow-ledger-{pipeline}-{sink}")
+    """:func:`record` from synchronous code (the Delta sink's driver-side commit, every micro-batch:
+    on a kept connection, :func:`isbflow.isb.connect.run_kept`)."""
+    run_kept(settings, lambda nc: record(nc, pipeline, sink, ranges), name=f"isbflow-ledger-{pipeline}")
 
 
 # ------------------------------------------------------------------ low offsets

@@ -41,7 +41,7 @@ from nats.errors import MaxPayloadError
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from isbflow.isb import naming
-from isbflow.isb.connect import run_with
+from isbflow.isb.connect import run_kept
 from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ledger import (
     FOLD_AT,
@@ -98,9 +98,10 @@ async def record_routed(nc, pipeline: str, sinks: Iterable[str], ranges: Partiti
 
 
 def record_routed_sync(settings, pipeline: str, sinks: Iterable[str], ranges: PartitionRanges) -> None:
-    """:func:`record_routed` from synchronous code (the jetstream writer's commit)."""
+    """:func:`record_routed` from synchronous code (the jetstream writer's commit, every micro-batch:
+    on a kept connection, :func:`isbflow.isb.connect.run_kept`)."""
     sinks = list(sinks)
-    run_with(settings, lambda nc: record_routed(nc, pipeline, sinks, ranges),
+    run_kept(settings, lambda nc: record_routed(nc, pipeline, sinks, ranges),
              name=f"isbflow-routed-{pipeline}")
 
 

@@ -20,6 +20,8 @@ from isbflow.isb.connect import (
     NatsSettings,
     connect,
     resolve_settings,
+    run_kept,
+    run_with,
     settings_from_url,
 )
 from isbflow.isb.server import HOST, free_port, start_embedded, stop_embedded
@@ -90,6 +92,31 @@ def test_reconnects_after_connecting(nats_server):
             await nc.close()
 
     assert asyncio.run(go()) == -1
+
+
+def test_run_kept_keeps_one_connection_and_connects_again_when_it_fails(nats_server, monkeypatch):
+    """A sink's commit records in the ledger every micro-batch: on one kept connection, not one each
+    (run_with's), again after the server restarted, and anew after an idle spell."""
+    import isbflow.isb.connect as connect_module
+
+    async def client_id(nc) -> int:
+        await nc.flush()
+        return nc.client_id
+
+    s = nats_server.settings
+    fresh = {run_with(s, client_id) for _ in range(3)}
+    assert len(fresh) == 3  # the comparison: a connection a call
+    kept = {run_kept(s, client_id, name="t") for _ in range(3)}
+    assert len(kept) == 1
+    assert run_kept(s, client_id, name="other") not in kept  # one connection per name
+
+    stop_embedded(nats_server.data_dir)  # the server goes away under the kept connection
+    start_embedded(nats_server.data_dir)  # and comes back on the same port
+    after = run_kept(s, client_id, name="t")  # the kept connection fails; a fresh one answers
+    assert after == run_kept(s, client_id, name="t")
+
+    monkeypatch.setattr(connect_module, "KEPT_IDLE_S", 0.0)
+    assert len({run_kept(s, client_id, name="t") for _ in range(2)}) == 2  # idle too long: connected anew
 
 
 def test_resolve_precedence(nats_server, monkeypatch):
