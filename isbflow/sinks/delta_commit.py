@@ -257,12 +257,13 @@ def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage]
         _clean_up(options, batch_id, offsets, where, committed=())
         return commit
     _note_committing(options, batch_id, actions)
+    read = table.version() if table is not None else None
     _commit_files(options, table, actions, schema, metadata, batch_id, where)
     # Attempts that failed before this batch succeeded may have left files behind.
     _clean_up(options, batch_id, offsets, where, committed=[a.path for a in actions])
-    # the version: the table the commit read, read forward (py-spy on the demo's driver had the two
-    # full loads a batch made at 7% of its Python), or loaded when the batch created it
-    return BatchCommit(batch_id, tables.get().version(), len(actions), rows)
+    # the version: the commit file after the one the commit read, when it holds this batch's app
+    # transaction; else the table read forward, or loaded when the batch created it
+    return BatchCommit(batch_id, tables.committed_version(read, options.app_id, batch_id), len(actions), rows)
 
 
 def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: list[AddAction],

@@ -139,3 +139,34 @@ def test_a_sink_that_keeps_its_table_loads_it_once_and_reads_it_forward(tmp_path
     assert done.version == 5
     assert len(loads) == 2  # the first commit finds no table; its version loads the new one; then read forward
     assert sorted(read_sink(str(path)).column("v").to_pylist()) == [*range(1, 51), 900]
+
+
+def test_a_commit_names_its_version_without_reading_the_table_forward(tmp_path, monkeypatch):
+    """After its commit a batch reads its version off the next commit file (its app transaction in it),
+    not by reading the table forward (a listing of the whole log): one read forward per batch, the
+    one before its commit. A commit by another writer between the two: the version is still right."""
+    from deltalake import write_deltalake
+
+    from isbflow.local.delta import TableCache
+
+    path = tmp_path / "t"
+    opts = DeltaSinkOptions.from_options({"path": str(path), "appId": APP})
+    tables = TableCache(str(path))
+    forward = []
+    real = DeltaTable.update_incremental
+    monkeypatch.setattr(DeltaTable, "update_incremental", lambda self, *a, **k: forward.append(1) or real(self, *a, **k))
+    for b in range(3):
+        forward.clear()
+        done = commit_batch(opts, [write_batch_files(opts, rows(b * 10 + 1, 10).to_batches(), b, 0)], b, tables)
+        assert done.version == b == DeltaTable(str(path)).version()
+        assert len(forward) == (0 if b == 0 else 1)  # batch 0 created the table; then one read each
+    note = delta_commit._note_committing
+
+    def another_writer_first(*a, **k):  # a commit lands after this batch read the table
+        note(*a, **k)
+        write_deltalake(str(path), rows(900, 1), mode="append")
+
+    monkeypatch.setattr(delta_commit, "_note_committing", another_writer_first)
+    done = commit_batch(opts, [write_batch_files(opts, rows(31, 10).to_batches(), 3, 0)], 3, tables)
+    assert done.version == 4 == DeltaTable(str(path)).version()  # version 3 is the other writer's
+    assert sorted(read_sink(str(path)).column("v").to_pylist()) == [*range(1, 41), 900]
