@@ -202,6 +202,7 @@ class Bench:
         self.cfg, self.work, self.spark, self.settings, self.specs = cfg, work, spark, settings, specs
         self.p = specs.only_pipeline()
         self.sampler = sampler
+        self.task_slots = str(spark.sparkContext.defaultParallelism)
         from isbflow.isb.connect import settings_to_json
 
         self.settings_json = settings_to_json(settings)
@@ -285,7 +286,8 @@ class Bench:
         """A's read written through into the sink ``options`` name (``sink="through"``)."""
         from isbflow.steps import write_through
 
-        return lambda options: self._frames_reader(write_through.FORMAT).options(
+        # as a Delta sink vertex reads (PipelineRunner._read): its tasks fill the task slots
+        return lambda options: self._frames_reader(write_through.FORMAT).option("minPartitions", self.task_slots).options(
             **write_through.through_options(cm.record_struct(), options)).load()
 
     def events(self, source: str, batch_rows: int):

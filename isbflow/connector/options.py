@@ -33,6 +33,11 @@ OnLoss = Literal["fail", "replay"]
 DEFAULT_FRAME_ROWS = 10_000
 #: Messages per Spark task (input partition) unless ``maxMessagesPerPartition`` says otherwise.
 DEFAULT_PARTITION_MSGS: dict[str, int] = {"frames": 100, "events": 50_000}
+#: The fewest messages a task gets when a batch is split further for ``minPartitions``: a batch
+#: smaller than this many per task slot stays in as few tasks as ``maxMessagesPerPartition`` gives
+#: (a task costs a Python worker's turn and Spark's scheduling: the demo's micro-batches of a few
+#: frames or a few hundred events stay one task each).
+MIN_SPLIT_MSGS: dict[str, int] = {"frames": 4, "events": 5_000}
 
 
 def int_option(options: Mapping[str, str], key: str, default: int, minimum: int = 1) -> int:
@@ -100,6 +105,10 @@ class ReaderOptions:
     #: batch reads only: "latest" | offsets JSON | None (= latest)
     ending_offsets: str | dict | None
     partition_msgs: int
+    #: a batch's range is read by at least this many tasks when it holds at least
+    #: :data:`MIN_SPLIT_MSGS` messages for each (Kafka's ``minPartitions``; the runner sets the task
+    #: slots for a written-through sink)
+    min_partitions: int = 1
     #: drain: with both set, latestOffset never passes the drain point the runner
     #: froze in the pipeline's status KV (``drain.<vertex>``; see isbflow.isb.state)
     drain_pipeline: str | None = None
@@ -136,6 +145,7 @@ class ReaderOptions:
             starting_offsets=_offsets_option(options, "startingOffsets", ("earliest", "latest")),
             ending_offsets=_offsets_option(options, "endingOffsets", ("latest",)),
             partition_msgs=int_option(options, "maxMessagesPerPartition", DEFAULT_PARTITION_MSGS[mode]),
+            min_partitions=int_option(options, "minPartitions", 1),
             drain_pipeline=(options.get("pipeline") or None),
             drain_vertex=(options.get("vertex") or None),
             idle_wait=_seconds(options, "idleWait"),

@@ -201,6 +201,8 @@ class PipelineRunner:
         #: (reference, key column) -> the cached DataFrame and the bucket revision it was cached at
         self._refs: dict[tuple[str, str], tuple[Any, int | None]] = {}
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
+        #: the fewest tasks a large batch of a written-through sink is read in (``minPartitions``)
+        self.task_slots = max(1, int(spark.sparkContext.defaultParallelism))
 
     # ------------------------------------------------------------------ planning
     @property
@@ -373,8 +375,8 @@ class PipelineRunner:
             r = r.option("idleWait", str(self.idle_wait)).option("noWaitFile", str(no_wait))
         if v.source:
             return r.option("mode", "events").option("sourceName", vertex).load()
-        if through is not None:
-            return r.option("mode", "frames").options(
+        if through is not None:  # each task reads and writes in one Python process: fill the task slots
+            return r.option("mode", "frames").option("minPartitions", str(self.task_slots)).options(
                 **write_through.through_options(self.input_schema(vertex), through)).load()
         return r.option("mode", "frames").schema(self.input_schema(vertex)).load()
 

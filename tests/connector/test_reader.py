@@ -287,6 +287,39 @@ def test_latest_offset_caps_by_read_limit_fairly_and_idles(nats_server):
         r.stop()
 
 
+def test_task_size_fills_the_task_slots_only_for_a_batch_worth_splitting():
+    from isbflow.connector.reader import task_size
+
+    assert task_size([40], 100, 2, 4) == 20  # one buffer partition, 40 frames: two tasks, not one
+    assert task_size([40], 100, 1, 4) == 100  # minPartitions 1: as before
+    assert task_size([30, 10], 100, 2, 4) == 100  # two streams: two tasks already
+    assert task_size([250], 100, 2, 4) == 100  # three tasks already
+    assert task_size([7], 100, 2, 4) == 100  # under 4 frames a task: one task
+    assert task_size([8], 100, 2, 4) == 4
+    assert task_size([900], 50_000, 2, 5_000) == 50_000  # a few hundred events: one task
+    assert task_size([30_000], 50_000, 4, 5_000) == 7_500
+    assert task_size([0, 0], 100, 2, 4) == 100
+
+
+def test_a_large_batch_of_one_stream_is_read_by_min_partitions_tasks(nats_server):
+    s = nats_server.settings
+    make_stream(s, "a")
+    publish_frames(s, "a", 0, 1200)  # 12 frames
+    r = stream_reader(nats_server, "a", minPartitions="3")
+    try:
+        start = r.initialOffset()
+        end = r.latestOffset(start, ReadAllAvailable())
+        parts = r.partitions(start, end)
+        assert [(p.first, p.last) for p in parts] == [(1, 4), (5, 8), (9, 12)]  # one task without the option
+        assert sorted(read_all(r, parts).column("id").to_pylist()) == list(range(1200))
+        small = r.latestOffset(end, ReadAllAvailable())
+        publish_frames(s, "a", 1200, 1500)  # 3 frames: under 4 a task, one task
+        more = r.latestOffset(small, ReadAllAvailable())
+        assert [(p.first, p.last) for p in r.partitions(small, more)] == [(13, 15)]
+    finally:
+        r.stop()
+
+
 def test_available_now_freezes_the_end(nats_server):
     s = nats_server.settings
     make_stream(s, "a")
