@@ -225,7 +225,6 @@ class SyncSession:
         self.close()
 
 
-
 #: :func:`run_kept`'s connections: (pid, settings, name) -> [lock, session, last used (monotonic)]
 _KEPT: dict[tuple, list] = {}
 _KEPT_LOCK = threading.Lock()

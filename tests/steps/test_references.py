@@ -10,8 +10,7 @@ import time
 
 from pyspark.sql import functions as F
 
-from isbflow.isb import provision, reference
-from isbflow.spec import load_specs
+from isbflow.isb import reference
 from isbflow.steps.runner import PipelineRunner
 from tests.conftest import ROOT
 
@@ -20,13 +19,9 @@ def _teams(df) -> dict[str, str]:
     return {r.service: r.team for r in df.select("service", "team").collect()}
 
 
-def test_a_reference_is_cached_and_read_again_when_its_bucket_moves(spark, nats_server, tmp_path):
-    specs = load_specs(ROOT / "pipelines" / "logs.yaml")
-    p = specs.only_pipeline()
-    settings = nats_server.settings
-    asyncio.run(provision.apply(settings, specs))
-    rows = json.loads((ROOT / "pipelines" / "reference" / "services.json").read_text())
-    asyncio.run(reference.put(settings, p.name, "services", rows))
+def test_a_reference_is_cached_and_read_again_when_its_bucket_moves(spark, demo):
+    specs, p, settings, tmp_path = demo
+    rows = json.loads((ROOT / "pipelines" / "reference" / "services.json").read_text())  # what the fixture put
     runner = PipelineRunner(spark, specs, p, settings, tmp_path)
     try:
         services = runner._references(p.vertex("enrich"))["services"]

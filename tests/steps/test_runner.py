@@ -34,17 +34,6 @@ from tests.conftest import ROOT
 MALFORMED_EVERY = 500
 
 
-@pytest.fixture
-def demo(nats_server, tmp_path):
-    specs = load_specs(ROOT / "pipelines" / "logs.yaml")
-    p = specs.only_pipeline()
-    settings = nats_server.settings
-    asyncio.run(provision.apply(settings, specs))
-    rows = json.loads((ROOT / "pipelines" / "reference" / "services.json").read_text())
-    asyncio.run(reference.put(settings, p.name, "services", rows))
-    return specs, p, settings, tmp_path
-
-
 def publish(settings, p, count, start=0):
     return asyncio.run(produce(settings, p, count=count, seed=7, start=start, malformed_every=MALFORMED_EVERY))
 
