@@ -83,6 +83,18 @@ def log_root(table: DeltaTable) -> Path:
     return Path(url2pathname(urlparse(table.table_uri).path)) / "_delta_log"
 
 
+def commit_action(root: Path, version: int, kind: str) -> dict | None:
+    """The first ``kind`` action (``commitInfo``, ``txn``, ...) of commit ``version``'s file in the
+    log folder ``root``; ``None`` when it holds none; :class:`FileNotFoundError` when the file is gone.
+    Only the lines that name ``kind`` are parsed (a commit of many files has as many ``add`` lines)."""
+    tag = f'"{kind}"'.encode()
+    with open(root / f"{version:020d}.json", "rb") as f:
+        for line in f:
+            if tag in line and kind in (action := json.loads(line)):
+                return action[kind]
+    return None
+
+
 def table_history(table: DeltaTable, limit: int | None = None) -> list[dict]:
     """The commits of ``table`` up to its version, newest first (``limit``: at most that many), as
     ``DeltaTable.history`` gives them but each with its own ``version`` (module docstring). A commit
@@ -97,9 +109,7 @@ def table_history(table: DeltaTable, limit: int | None = None) -> list[dict]:
         if limit is not None and len(out) >= limit:
             break
         try:
-            with open(root / f"{v:020d}.json", "rb") as f:
-                info = next((a["commitInfo"] for line in f if b'"commitInfo"' in line
-                             and "commitInfo" in (a := json.loads(line))), {})
+            info = commit_action(root, v, "commitInfo") or {}
         except FileNotFoundError:
             continue
         out.append({**info, "version": v})
@@ -144,13 +154,11 @@ class TableCache:
         Python (two reads a batch), and the next batch reads the table forward anyway."""
         if read is not None and self._table is not None:
             try:
-                with open(log_root(self._table) / f"{read + 1:020d}.json", "rb") as f:
-                    for line in f:
-                        if b'"txn"' in line and (t := json.loads(line).get("txn")) is not None \
-                                and t.get("appId") == app_id and t.get("version") == txn_version:
-                            return read + 1
+                txn = commit_action(log_root(self._table), read + 1, "txn") or {}
             except FileNotFoundError:
-                pass
+                txn = {}
+            if txn.get("appId") == app_id and txn.get("version") == txn_version:
+                return read + 1
         table = self.get()
         if table is None:
             raise TableNotFoundError(f"no Delta table at {self.path} after a commit")
