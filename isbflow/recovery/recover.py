@@ -393,7 +393,7 @@ class _Recovery:
         """5. The region's steps from the low offsets, sinks in merge mode; aggregates recomputed."""
         t, p, job = time.monotonic(), self.p, self.job
         runner = PipelineRunner(self.spark, self.specs, p, self.settings, self.data_dir, starting_offsets=self.starting,
-                                sink_mode="merge", merge_keys=self.other_sinks)
+                                sink_mode="merge", merge_keys=self.other_sinks, replay=True)
         try:
             if pipelined:
                 out = _replay_pipelined(runner, job.nc, p, self.order, job.run, timeout)

@@ -176,8 +176,11 @@ class PipelineRunner:
     def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
                  processing_time: str | None = None, starting_offsets: dict[str, dict] | None = None,
                  sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None,
-                 restarts: RestartPolicy = DEFAULT_RESTARTS, idle_wait: float = IDLE_WAIT):
+                 restarts: RestartPolicy = DEFAULT_RESTARTS, idle_wait: float = IDLE_WAIT, replay: bool = False):
         self.spark = spark
+        #: a replay of what the buffers hold already (recovery's): its written-through sinks read in
+        #: batches of :func:`~isbflow.steps.write_through.replay_read_rows`
+        self.replay = replay
         self.idle_wait = idle_wait
         self.restarts = restarts
         self.specs = specs
@@ -360,10 +363,13 @@ class PipelineRunner:
             return (self.spark.readStream.format("isb-files").option("path", str(path))
                     .option("pattern", v.source.files.pattern)
                     .option("readMaxRows", str(limits.readBatchSize)).load())
+        rows = limits.readBatchSize
+        if through is not None and self.replay:
+            rows = write_through.replay_read_rows(rows)
         r = (self.spark.readStream.format("jetstream" if through is None else write_through.FORMAT)
              .option("settings", self.settings_json)
              .option("streams", ",".join(self.input_streams(vertex)))
-             .option("readMaxRows", str(limits.readBatchSize))
+             .option("readMaxRows", str(rows))
              .option("onBufferLoss", v.onBufferLoss.value)
              .option("pipeline", self.p.name).option("vertex", vertex))
         if vertex in self.starting_offsets:

@@ -293,7 +293,12 @@ def test_task_size_fills_the_task_slots_only_for_a_batch_worth_splitting():
     assert task_size([40], 100, 2, 4) == 20  # one buffer partition, 40 frames: two tasks, not one
     assert task_size([40], 100, 1, 4) == 100  # minPartitions 1: as before
     assert task_size([30, 10], 100, 2, 4) == 100  # two streams: two tasks already
-    assert task_size([250], 100, 2, 4) == 100  # three tasks already
+    # more than min_tasks: whole rounds of the slots (4 tasks of 63: 2 rounds of 63, not 100 then 100 || 50)
+    assert task_size([250], 100, 2, 4) == 63
+    assert task_size([500], 100, 2, 4) == 84  # 6 tasks in 3 rounds, not 5 whose last round is one task
+    assert task_size([250, 250], 100, 2, 4) == 84  # 3 + 3
+    assert task_size([120, 10], 100, 2, 4) == 100  # no size makes 2 rounds of 2 of these streams
+    assert task_size([250], 100, 1, 4) == 100  # minPartitions 1: as before
     assert task_size([7], 100, 2, 4) == 100  # under 4 frames a task: one task
     assert task_size([8], 100, 2, 4) == 4
     assert task_size([900], 50_000, 2, 5_000) == 50_000  # a few hundred events: one task

@@ -5,6 +5,7 @@ tests (tests/sinks/test_delta.py) for this path."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -17,11 +18,14 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from isbflow.isb import frames, ledger
+from isbflow.ops.produce import is_malformed, produce
 from isbflow.sinks import delta_through
 from isbflow.sinks.delta import DeltaSinkOptions, read_sink, sink_app_id
 from isbflow.sinks.delta_spark import DeltaBatchWriter
 from isbflow.sinks.delta_through import DeltaThroughWriter
+from isbflow.spec.models import Limits
 from isbflow.steps import write_through
+from isbflow.steps.runner import PipelineRunner
 from tests.connector.test_reader import make_stream, nats_do, options
 
 pytestmark = pytest.mark.slow
@@ -197,3 +201,39 @@ def test_the_sink_vertices_of_the_demo_are_written_through_and_a_policy_keeps_sp
     (tmp_path / "logs.yaml").write_text(text)
     p = load_specs(tmp_path / "logs.yaml").only_pipeline()
     assert {v.name for v in p.spec.vertices if writes_through(v)} == {"agg", "errors"}
+
+
+def test_a_replay_reads_a_written_through_sink_in_larger_batches(spark, demo):
+    """Recovery's runner (``replay=True``) reads a written-through sink's buffer in batches of
+    ``write_through.replay_read_rows``: with ``readBatchSize`` 10,000 (one frame of up to 10,000 rows
+    a live batch) the sink's several frames are one replay batch, and land once each."""
+    specs, p, settings, data_dir = demo
+    small = {"in": 500, "parse": 10_000, "enrich": 10_000, "raw": 10_000}  # raw: one frame a live batch
+    spec = p.spec.model_copy(update={"vertices": [
+        v.model_copy(update={"limits": Limits(readBatchSize=small[v.name])}) if v.name in small else v
+        for v in p.spec.vertices]})
+    p = p.model_copy(update={"spec": spec})
+    count = 2_000
+    asyncio.run(produce(settings, p, count=count, seed=7, malformed_every=500))
+    runner = PipelineRunner(spark, specs, p, settings, data_dir)
+    try:
+        runner.run_available_now(only=["in", "parse", "enrich"])  # frames into enrich -> raw, a few a batch
+        [stream] = runner.input_streams("raw")
+    finally:
+        runner.close()
+
+    async def messages(nc, js):
+        return (await js.stream_info(stream)).state.messages
+
+    frames_in = nats_do(settings, messages)
+    assert frames_in >= 3, "the test needs a buffer a live read takes several batches for"
+    replay = PipelineRunner(spark, specs, p, settings, data_dir, replay=True)
+    try:
+        replay.run_available_now(only=["raw"])
+        commits = Path(replay.checkpoint("raw", p.query_to("raw"))) / "commits"
+    finally:
+        replay.close()
+    assert sorted(int(f.name) for f in commits.iterdir() if f.name.isdigit()) == [0]  # one batch, not frames_in
+    ids = DeltaTable(str(data_dir / "sinks/logs/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {f"in/0/{i + 1}" for i in range(count) if not is_malformed(i, 500)}
