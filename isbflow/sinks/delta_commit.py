@@ -50,7 +50,10 @@ table lacks their ``mergeKey`` (default ``_isb_id``; a comma list for a
 composite key), in one Delta merge on the driver that also records the app
 transaction (:func:`isbflow.sinks.delta_merge.merge_insert_missing`); the
 batch's Parquet files are then removed. It funnels the batch through the
-driver: meant for replays, not for the steady stream. **Ledger fast path**:
+driver: meant for replays, not for the steady stream; a batch of more than
+:data:`MERGE_CHUNK_ROWS` rows is merged in chunks of that many, each its own
+commit (:func:`_commit_merge_chunks`), so the driver holds one chunk whatever the
+replay's batch size. **Ledger fast path**:
 with the key ``_isb_id``, when every row's id names a distinct source offset
 and none of those offsets is in the ranges the table's commits record
 (``isb.offsets``, :func:`isbflow.isb.ledger.from_delta_history`), no row of
@@ -129,6 +132,11 @@ from isbflow.sinks.delta_merge import (
 _log = logging.getLogger(__name__)
 #: times a batch's commit is tried again after sink maintenance changed the table under it
 METADATA_RETRIES = 3
+#: The most rows of a merge-mode batch the driver reads back and merges at once (a live batch's
+#: ``readBatchSize`` by default). A recovery's replay reads a written-through sink in batches of 10x
+#: that (:data:`isbflow.steps.write_through.REPLAY_BATCHES`); the part of a batch the ledger cannot
+#: prove new is merged in chunks of this many rows (:func:`_commit_merge_chunks`).
+MERGE_CHUNK_ROWS = 100_000
 
 
 def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int,
@@ -324,7 +332,10 @@ def _again_after_maintenance(commit, where: str):
 
 def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
                   metadata: dict, rows: int, batch_id: int, where: str) -> BatchCommit:
-    """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge."""
+    """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge; a merge-mode
+    batch of more than :data:`MERGE_CHUNK_ROWS` rows in chunks (:func:`_commit_merge_chunks`)."""
+    if options.mode == "merge" and not options.version_column and rows > MERGE_CHUNK_ROWS:
+        return _commit_merge_chunks(options, actions, schema, metadata, rows, batch_id)
     batch = _read_batch_files(options, actions, schema)
     superseded = 0
     if options.version_column:
@@ -353,19 +364,72 @@ def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, of
     return not any(ledger.overlaps(ranges, held.get(part) or []) for part, ranges in offsets.items())
 
 
+def _commit_merge_chunks(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
+                         metadata: dict, rows: int, batch_id: int) -> BatchCommit:
+    """Merge mode, a batch of more than :data:`MERGE_CHUNK_ROWS` rows: its files read back in chunks of
+    that many rows, each merged in a commit of its own that records the offsets of its rows
+    (``isb.offsets``: a committed row's offset stays in its commit's ranges, which the ledger fast path
+    relies on); the last chunk's commit records the app transaction and the whole batch's offsets. A
+    merge inserts only keys the table lacks, so a batch run again after a crash between two chunks
+    inserts nothing the first attempt committed. ``isb.rows`` of each commit is its chunk's rows."""
+    inserted, version, chunks = 0, None, _batch_chunks(options, actions, schema, MERGE_CHUNK_ROWS)
+    chunk = next(chunks)
+    for n, following in enumerate(_and_next(chunks)):
+        last = following is None
+        meta = {**metadata, "isb.rows": chunk.num_rows, "isb.chunk": n}
+        if not last and ledger.ID_COLUMN in chunk.column_names:
+            meta[ledger.OFFSETS_KEY] = ledger.to_metadata(ledger.id_ranges(chunk.column(ledger.ID_COLUMN)))
+        merged = merge_insert_missing(options.path, chunk, key=options.merge_key,
+                                      app_id=options.app_id if last else None, version=batch_id if last else None,
+                                      metadata=meta, partition_by=options.partition_by)
+        inserted, version = inserted + merged.inserted, merged.version
+        chunk = following
+    return BatchCommit(batch_id, version, 0, inserted, dropped=rows - inserted)
+
+
+def _and_next(it: Iterator[pa.Table]) -> Iterator[pa.Table | None]:
+    """The items of ``it`` after the first one taken already, then ``None``: each step of a loop
+    knows whether the item it holds is the last."""
+    yield from it
+    yield None
+
+
+def _file_rows(options: DeltaSinkOptions, a: AddAction, t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Rows of file ``a``, its partition columns restored from their values, in the batch's schema."""
+    for c in options.partition_by:
+        typ = schema.field(c).type
+        value = a.partition_values.get(c)
+        col = pa.array([value] * t.num_rows, pa.string())
+        t = t.append_column(c, col.cast(typ) if value is not None else pa.nulls(t.num_rows, typ))
+    return t.select(schema.names).cast(schema)
+
+
 def _read_batch_files(options: DeltaSinkOptions, actions: list[AddAction],
                       schema: pa.Schema) -> pa.Table:
     """The rows of a batch's (uncommitted) files, partition columns restored from their values."""
-    tables = []
+    return pa.concat_tables([_file_rows(options, a, pq.read_table(os.path.join(options.path, a.path)), schema)
+                             for a in actions])
+
+
+def _batch_chunks(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
+                  size: int) -> Iterator[pa.Table]:
+    """The rows of a batch's files in tables of ``size`` rows (the last fewer), read a record batch at
+    a time: never more than one chunk and one record batch in memory."""
+    held: list[pa.Table] = []
+    count = 0
     for a in actions:
-        t = pq.read_table(os.path.join(options.path, a.path))
-        for c in options.partition_by:
-            typ = schema.field(c).type
-            value = a.partition_values.get(c)
-            col = pa.array([value] * t.num_rows, pa.string())
-            t = t.append_column(c, col.cast(typ) if value is not None else pa.nulls(t.num_rows, typ))
-        tables.append(t.select(schema.names).cast(schema))
-    return pa.concat_tables(tables)
+        for rb in pq.ParquetFile(os.path.join(options.path, a.path)).iter_batches(batch_size=min(size, 65_536)):
+            t = _file_rows(options, a, pa.Table.from_batches([rb]), schema)
+            while t.num_rows:
+                take = t.slice(0, size - count)
+                held.append(take)
+                count += take.num_rows
+                t = t.slice(take.num_rows)
+                if count == size:
+                    yield pa.concat_tables(held)
+                    held, count = [], 0
+    if held:
+        yield pa.concat_tables(held)
 
 
 def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: str,

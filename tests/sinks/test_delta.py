@@ -394,6 +394,51 @@ def test_merge_mode_appends_what_the_ledger_proves_new_and_merges_the_rest(tmp_p
     assert DeltaTable(str(path)).transaction_version(APP + "#e1") == 2
 
 
+def test_a_large_merge_batch_is_merged_in_chunks_and_a_crash_between_them_doubles_nothing(tmp_path, monkeypatch):
+    """mode=merge, a batch of more than MERGE_CHUNK_ROWS rows the ledger cannot prove new (a replay's
+    larger batch): merged in chunks, each commit recording its rows' offsets, the app transaction on
+    the last; the driver dies after two chunks, the batch runs again: every id once."""
+    from isbflow.sinks import delta_commit
+
+    monkeypatch.setattr(delta_commit, "MERGE_CHUNK_ROWS", 40)
+    path = tmp_path / "raw"
+    normal = DeltaSinkOptions.from_options({"path": str(path), "appId": APP})
+    held = list(range(1, 101)) + list(range(151, 201))
+    commit_batch(normal, [write_batch_files(normal, _id_rows(held).to_batches(), 0, 0)], 0)
+    replay = DeltaSinkOptions.from_options({"path": str(path), "appId": APP + "#e1", "mode": "merge"})
+    seqs = list(range(91, 251))  # 160 rows: 4 chunks of 40, held and missing mixed
+    merged_rows = []
+    real = delta_commit.merge_insert_missing
+
+    def dies_at_the_third(path, table, **kw):
+        merged_rows.append(table.num_rows)
+        if len(merged_rows) == 3:
+            raise RuntimeError("driver died")
+        return real(path, table, **kw)
+
+    monkeypatch.setattr(delta_commit, "merge_insert_missing", dies_at_the_third)
+    with pytest.raises(RuntimeError, match="driver died"):
+        commit_batch(replay, [write_batch_files(replay, _id_rows(seqs).to_batches(), 0, 0)], 0)
+    assert merged_rows == [40, 40, 40]
+    t = DeltaTable(str(path))
+    assert t.transaction_version(APP + "#e1") is None  # the batch is not committed yet
+    for h in t.history(2):  # each chunk's commit names the offsets of the rows it was given
+        assert h["isb.operation"] == "merge_insert_missing" and h["isb.rows"] == 40
+    assert sorted(json.loads(h["isb.offsets"])["in/0"] for h in t.history(2)) == [[[91, 130]], [[131, 170]]]
+
+    monkeypatch.setattr(delta_commit, "merge_insert_missing", real)
+    again = commit_batch(replay, [write_batch_files(replay, _id_rows(seqs).to_batches(), 0, 1)], 0)
+    assert (again.rows, again.dropped) == (50, 110)  # 201-250; the first attempt inserted 101-150
+    t = DeltaTable(str(path))
+    assert t.transaction_version(APP + "#e1") == 0
+    assert json.loads(t.history(1)[0]["isb.offsets"]) == {"in/0": [[91, 250]]}  # the batch's, on the last
+    ids = read_sink(str(path)).column("_isb_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 250
+    assert set(ids) == {f"in/0/{s}" for s in range(1, 251)}
+    skipped = commit_batch(replay, [write_batch_files(replay, _id_rows(seqs).to_batches(), 0, 2)], 0)
+    assert skipped.version is None and read_sink(str(path)).num_rows == 250
+
+
 def test_batch_offsets_read_the_ids_of_the_batch_files(tmp_path):
     """The Spark writer's offsets: the _isb_id column of the batch's files, over several files, with
     holes, a repeated id and ids that name no offset."""
