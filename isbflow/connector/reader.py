@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -134,27 +133,6 @@ BAD_FRAME_PREFIX = 1024
 #: seconds a trigger that waited for new data lingers before reading, so the rest of the upstream
 #: micro-batch's frames (its other tasks and partitions) come in the same batch
 LINGER = 0.1
-
-
-def task_size(counts: Sequence[int], most: int, min_tasks: int, least: int) -> int:
-    """Messages per task for a batch of ``counts`` messages per stream: ``most``, or fewer so the batch
-    makes at least ``min_tasks`` tasks, but never under ``least`` a task. Measured with
-    ``bench/throughput.py --records 2000000`` (A: frames written through into Delta, one buffer
-    partition, frames of 10,000 rows, batches of 400K rows, ``local[2]``, one run each): one task a
-    batch (40 frames) 461K rec/s, two 664K; the same read in a single 2M-row batch (two tasks) had
-    made 972K: the second core had waited. A batch of more than ``most * min_tasks`` is cut into whole
-    rounds of ``min_tasks`` (a replay's 5M rows, 500 frames, on 2 slots: 6 tasks of 84, not 5 of 100 whose
-    last round runs one task while the other slot waits)."""
-    tasks = sum(math.ceil(n / most) for n in counts if n > 0)
-    total = sum(n for n in counts if n > 0)
-    if total < 2 * least or tasks == min_tasks or min_tasks <= 1:
-        return most
-    if tasks > min_tasks:  # whole rounds of the task slots: 5 tasks of 100 on 2 slots end after 3 rounds of 100
-        rounds = math.ceil(tasks / min_tasks)
-        size = max(least, math.ceil(total / (rounds * min_tasks)))
-        # the streams' counts round up each: keep the size only if it still makes those rounds
-        return size if sum(math.ceil(n / size) for n in counts if n > 0) <= rounds * min_tasks else most
-    return max(least, min(most, math.ceil(total / min_tasks)))
 
 
 class JetStreamPartition(InputPartition):
@@ -241,10 +219,10 @@ class _RangeReader:
 
     def _plan(self, start: off.Offsets, end: off.Offsets) -> list[JetStreamPartition]:
         """Driver: split each stream's batch range into tasks of at most ``partition_msgs`` messages,
-        smaller ones when that gives fewer than ``min_partitions`` tasks (:func:`task_size`)."""
+        smaller ones when that gives fewer than ``min_partitions`` tasks (:func:`off.task_size`)."""
         ranges = [(index, s, end[s], *off.batch_range(start.get(s), end[s]))
                   for index, s in enumerate(self.opts.streams) if s in end]
-        step = task_size([last - first + 1 for *_, first, last in ranges], self.opts.partition_msgs,
+        step = off.task_size([last - first + 1 for *_, first, last in ranges], self.opts.partition_msgs,
                          self.opts.min_partitions, MIN_SPLIT_MSGS[self.opts.mode])
         return [JetStreamPartition(s, index, e.inc, lo, min(lo + step - 1, last))
                 for index, s, e, first, last in ranges for lo in range(first, last + 1, step)]

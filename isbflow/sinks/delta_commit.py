@@ -94,7 +94,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError
@@ -107,6 +106,7 @@ from isbflow.isb import ledger
 from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
 from isbflow.local.delta import TableCache, log_file_vanished, table_history
+from isbflow.sinks.batch_files import batch_chunks, read_batch_files
 from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
@@ -336,7 +336,7 @@ def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: p
     batch of more than :data:`MERGE_CHUNK_ROWS` rows in chunks (:func:`_commit_merge_chunks`)."""
     if options.mode == "merge" and not options.version_column and rows > MERGE_CHUNK_ROWS:
         return _commit_merge_chunks(options, actions, schema, metadata, rows, batch_id)
-    batch = _read_batch_files(options, actions, schema)
+    batch = read_batch_files(options, actions, schema)
     superseded = 0
     if options.version_column:
         batch, superseded = latest_per_key(batch, options.merge_key, options.version_column,
@@ -372,7 +372,7 @@ def _commit_merge_chunks(options: DeltaSinkOptions, actions: list[AddAction], sc
     relies on); the last chunk's commit records the app transaction and the whole batch's offsets. A
     merge inserts only keys the table lacks, so a batch run again after a crash between two chunks
     inserts nothing the first attempt committed. ``isb.rows`` of each commit is its chunk's rows."""
-    inserted, version, chunks = 0, None, _batch_chunks(options, actions, schema, MERGE_CHUNK_ROWS)
+    inserted, version, chunks = 0, None, batch_chunks(options, actions, schema, MERGE_CHUNK_ROWS)
     chunk = next(chunks)
     for n, following in enumerate(_and_next(chunks)):
         last = following is None
@@ -392,44 +392,6 @@ def _and_next(it: Iterator[pa.Table]) -> Iterator[pa.Table | None]:
     knows whether the item it holds is the last."""
     yield from it
     yield None
-
-
-def _file_rows(options: DeltaSinkOptions, a: AddAction, t: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Rows of file ``a``, its partition columns restored from their values, in the batch's schema."""
-    for c in options.partition_by:
-        typ = schema.field(c).type
-        value = a.partition_values.get(c)
-        col = pa.array([value] * t.num_rows, pa.string())
-        t = t.append_column(c, col.cast(typ) if value is not None else pa.nulls(t.num_rows, typ))
-    return t.select(schema.names).cast(schema)
-
-
-def _read_batch_files(options: DeltaSinkOptions, actions: list[AddAction],
-                      schema: pa.Schema) -> pa.Table:
-    """The rows of a batch's (uncommitted) files, partition columns restored from their values."""
-    return pa.concat_tables([_file_rows(options, a, pq.read_table(os.path.join(options.path, a.path)), schema)
-                             for a in actions])
-
-
-def _batch_chunks(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
-                  size: int) -> Iterator[pa.Table]:
-    """The rows of a batch's files in tables of ``size`` rows (the last fewer), read a record batch at
-    a time: never more than one chunk and one record batch in memory."""
-    held: list[pa.Table] = []
-    count = 0
-    for a in actions:
-        for rb in pq.ParquetFile(os.path.join(options.path, a.path)).iter_batches(batch_size=min(size, 65_536)):
-            t = _file_rows(options, a, pa.Table.from_batches([rb]), schema)
-            while t.num_rows:
-                take = t.slice(0, size - count)
-                held.append(take)
-                count += take.num_rows
-                t = t.slice(take.num_rows)
-                if count == size:
-                    yield pa.concat_tables(held)
-                    held, count = [], 0
-    if held:
-        yield pa.concat_tables(held)
 
 
 def _clean_up(options: DeltaSinkOptions, batch_id: int, offsets: dict, where: str,

@@ -288,7 +288,7 @@ def test_latest_offset_caps_by_read_limit_fairly_and_idles(nats_server):
 
 
 def test_task_size_fills_the_task_slots_only_for_a_batch_worth_splitting():
-    from isbflow.connector.reader import task_size
+    from isbflow.connector.offsets import task_size
 
     assert task_size([40], 100, 2, 4) == 20  # one buffer partition, 40 frames: two tasks, not one
     assert task_size([40], 100, 1, 4) == 100  # minPartitions 1: as before
