@@ -13,7 +13,9 @@ through ``java.nio``; with Hadoop's native library present, or for a sticky bit,
 Hadoop does.
 
 The class is compiled with the JDK's ``javac`` against the installed Spark's Hadoop API jar into
-``$XDG_CACHE_HOME/isbflow/jvm/<digest>`` (about 2 s, once per source and jar). Without a ``javac``
+the jar ``$XDG_CACHE_HOME/isbflow/jvm/<digest>.jar`` (about 2 s, once per source and jar): a jar,
+not a directory of classes, because a JVM cannot write a class-data-sharing archive
+(``-XX:ArchiveClassesAtExit``) with a non-empty directory on its class path. Without a ``javac``
 (a JRE only) or when compiling fails, :func:`classpath` returns ``None`` and says why once: Spark
 then uses Hadoop's own class, as it always did. ``ISBFLOW_HADOOP_LOCAL_FS=hadoop`` asks for
 Hadoop's class too.
@@ -28,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -68,25 +71,30 @@ def cache_root() -> Path:
 
 
 def compile_class(javac: str, api_jar: Path, root: Path) -> Path:
-    """Compile :data:`SOURCE` against ``api_jar`` into ``root/<digest>`` (kept: the next session uses it)
-    and return that directory. Concurrent sessions each compile into a directory of their own and
-    rename it into place; the first one wins."""
+    """Compile :data:`SOURCE` against ``api_jar`` into the jar ``root/<digest>.jar`` (kept: the next
+    session uses it) and return it. Concurrent sessions each compile in a directory of their own and
+    link their jar into place; the first one wins, and a jar in place is never replaced (a JVM's
+    class-data-sharing archive names it by size and time)."""
     digest = hashlib.sha256(SOURCE.read_bytes() + api_jar.name.encode()).hexdigest()[:16]
-    final = root / digest
-    if (final / "io" / "isbflow" / "hadoop" / "LocalFileSystem.class").is_file():
+    final = root / f"{digest}.jar"
+    if final.is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=root))
     try:
-        done = subprocess.run([javac, "-nowarn", "--release", "17", "-cp", str(api_jar), "-d", str(work),
+        classes = work / "classes"
+        done = subprocess.run([javac, "-nowarn", "--release", "17", "-cp", str(api_jar), "-d", str(classes),
                                str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{javac} failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-500:]}")
+        jar = work / "classes.jar"
+        with zipfile.ZipFile(jar, "w", zipfile.ZIP_DEFLATED) as z:
+            for f in sorted(classes.rglob("*.class")):
+                z.write(f, f.relative_to(classes).as_posix())
         try:
-            work.rename(final)
-        except OSError:
-            if not final.is_dir():  # not another session's rename: a real failure
-                raise
+            os.link(jar, final)
+        except FileExistsError:
+            pass  # another session's jar, the same source compiled: keep it
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
@@ -94,7 +102,7 @@ def compile_class(javac: str, api_jar: Path, root: Path) -> Path:
 
 @functools.cache
 def classpath() -> str | None:
-    """The directory holding :data:`CLASS`, compiled when needed; ``None`` (said once, at INFO) when it
+    """The jar holding :data:`CLASS`, compiled when needed; ``None`` (said once, at INFO) when it
     cannot be had or :data:`ENV_SWITCH` is ``hadoop``."""
     if os.environ.get(ENV_SWITCH, "").strip().lower() == "hadoop":
         return None

@@ -212,7 +212,7 @@ LOCAL_FS_CONF = "spark.hadoop.fs.file.impl"
 
 def local_fs_conf(conf: dict[str, str]) -> dict[str, str]:
     """The conf that makes ``file:`` paths go through :data:`isbflow.steps.hadoop_fs.CLASS` (no ``chmod``
-    process per file created), for a local master: its directory on the classpath of the JVM about to
+    process per file created), for a local master: its jar on the classpath of the JVM about to
     start (after a user's ``spark.driver.extraClassPath``), and the class as ``fs.file.impl``. A JVM
     already running gets the class only when it can load it (and one that ``spark-submit`` started,
     not yet reachable, does not). Empty when the class cannot be had
