@@ -52,8 +52,8 @@ transaction (:func:`isbflow.sinks.delta_merge.merge_insert_missing`); the
 batch's Parquet files are then removed. It funnels the batch through the
 driver: meant for replays, not for the steady stream; a batch of more than
 :data:`MERGE_CHUNK_ROWS` rows is merged in chunks of that many, each its own
-commit (:func:`_commit_merge_chunks`), so the driver holds one chunk whatever the
-replay's batch size. **Ledger fast path**:
+commit (:func:`_commit_merge_chunks`), so a replay's larger batch merges as
+batches of the default size did. **Ledger fast path**:
 with the key ``_isb_id``, when every row's id names a distinct source offset
 and none of those offsets is in the ranges the table's commits record
 (``isb.offsets``, :func:`isbflow.isb.ledger.from_delta_history`), no row of
@@ -134,8 +134,11 @@ _log = logging.getLogger(__name__)
 METADATA_RETRIES = 3
 #: The most rows of a merge-mode batch the driver reads back and merges at once (a live batch's
 #: ``readBatchSize`` by default). A recovery's replay reads a written-through sink in batches of 10x
-#: that (:data:`isbflow.steps.write_through.REPLAY_BATCHES`); the part of a batch the ledger cannot
-#: prove new is merged in chunks of this many rows (:func:`_commit_merge_chunks`).
+#: that (:data:`isbflow.steps.write_through.REPLAY_BATCHES`); a batch the ledger cannot prove new is
+#: merged in chunks of this many rows (:func:`_commit_merge_chunks`), as batches of the default size
+#: were. Measured (one merge-mode commit of 1M rows, a quarter of them held by a 500K-row table, a
+#: process each): peak RSS 825 MiB in one merge, 677 MiB in chunks of 100K, at 1.76x the time (3.84
+#: against 2.18 s): a merge's memory is mostly the table it scans, and every chunk scans it again.
 MERGE_CHUNK_ROWS = 100_000
 
 
