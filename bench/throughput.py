@@ -288,10 +288,13 @@ class Bench:
         from isbflow.steps import write_through
 
         # as a Delta sink vertex reads (PipelineRunner._read): its tasks fill the task slots
-        rows = write_through.replay_read_rows(self.cfg.batch_rows) if replay else self.cfg.batch_rows
-        return lambda options: (self._frames_reader(write_through.FORMAT).option("readMaxRows", str(rows))
-                                .option("minPartitions", self.task_slots)
-                                .options(**write_through.through_options(cm.record_struct(), options)).load())
+        def read(options):
+            r = self._frames_reader(write_through.FORMAT).option("minPartitions", self.task_slots)
+            if replay:  # _frames_reader reads A's batch rows
+                r = r.option("readMaxRows", str(write_through.replay_read_rows(self.cfg.batch_rows)))
+            return r.options(**write_through.through_options(cm.record_struct(), options)).load()
+
+        return read
 
     def warm_through(self) -> None:
         """One batch of A's size written through, not reported: the path's first query (its Python

@@ -18,7 +18,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from isbflow.isb import frames, ledger
-from isbflow.ops.produce import is_malformed, produce
+from isbflow.ops.produce import produce
 from isbflow.sinks import delta_through
 from isbflow.sinks.delta import DeltaSinkOptions, read_sink, sink_app_id
 from isbflow.sinks.delta_spark import DeltaBatchWriter
@@ -27,6 +27,7 @@ from isbflow.spec.models import Limits
 from isbflow.steps import write_through
 from isbflow.steps.runner import PipelineRunner
 from tests.connector.test_reader import make_stream, nats_do, options
+from tests.steps.test_runner import MALFORMED_EVERY, good_ids
 
 pytestmark = pytest.mark.slow
 
@@ -214,7 +215,7 @@ def test_a_replay_reads_a_written_through_sink_in_larger_batches(spark, demo):
         for v in p.spec.vertices]})
     p = p.model_copy(update={"spec": spec})
     count = 2_000
-    asyncio.run(produce(settings, p, count=count, seed=7, malformed_every=500))
+    asyncio.run(produce(settings, p, count=count, seed=7, malformed_every=MALFORMED_EVERY))
     runner = PipelineRunner(spark, specs, p, settings, data_dir)
     try:
         runner.run_available_now(only=["in", "parse", "enrich"])  # frames into enrich -> raw, a few a batch
@@ -236,4 +237,4 @@ def test_a_replay_reads_a_written_through_sink_in_larger_batches(spark, demo):
     assert sorted(int(f.name) for f in commits.iterdir() if f.name.isdigit()) == [0]  # one batch, not frames_in
     ids = DeltaTable(str(data_dir / "sinks/logs/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
     assert len(ids) == len(set(ids))
-    assert set(ids) == {f"in/0/{i + 1}" for i in range(count) if not is_malformed(i, 500)}
+    assert set(ids) == good_ids(0, count)
