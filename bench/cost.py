@@ -1,7 +1,7 @@
 """Cost benchmark (issue #15): what the demo pipeline costs at the rates people run, against two floors.
 
     python bench/cost.py [--quick] [--rates 100,1000,10000] [--window 120] [--warmup 30] [--settle 420]
-                         [--trigger '1 second'] [--idle 60] [--curve 0.2,1,5] [--out bench/results/cost.json]
+                         [--trigger '1 second'] [--idle 60] [--idle-quiet 30] [--curve 0.2,1,5] [--out bench/results/cost.json]
 
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end) and
 ``pipelines/logs.yaml`` (every step) as a detached driver, launched like ``isbflow pipeline
@@ -28,7 +28,7 @@ seconds records:
 - ``kept_up``: the raw sink gained at least 90% of the window's events.
 
 After the rates, the idle window (``--idle`` seconds, default 60; none with ``--quick``): the
-producer paused, 30 s for the last events to pass and the runner to go quiet, then ``idle``:
+producer paused, 30 s (``--idle-quiet``) for the last events to pass and the runner to go quiet, then ``idle``:
 the tree's ``cores`` and PSS with nothing to do, against the issue's 3% of a core.
 
 Then, in a child process (its own SparkSession, :func:`isbflow.steps.session.spark_session`
@@ -262,12 +262,12 @@ def own_cpu_seconds(pids: list[int]) -> dict[int, float]:
     return {pid: own for pid, (own, _) in cpu_seconds(pids).items()}
 
 
-def idle_window(record, producer: Producer, seconds: float, sample_every: float) -> dict:
-    """The driver with nothing to do: the producer paused, :data:`IDLE_QUIET_S` for what it had
+def idle_window(record, producer: Producer, seconds: float, sample_every: float, quiet: float = IDLE_QUIET_S) -> dict:
+    """The driver with nothing to do: the producer paused, ``quiet`` seconds for what it had
     published to pass through (and the runner to go quiet), then ``seconds`` measured."""
     producer.rate = 0
-    log(f"idle: the producer paused; {IDLE_QUIET_S:g}s to go quiet, then a {seconds:g}s window")
-    time.sleep(IDLE_QUIET_S)
+    log(f"idle: the producer paused; {quiet:g}s to go quiet, then a {seconds:g}s window")
+    time.sleep(quiet)
     sampler = Sampler(record.pid, sample_every)
     t0, cpu0 = time.time(), own_cpu_seconds(cm.descendants(record.pid))
     time.sleep(seconds)
@@ -367,7 +367,7 @@ def run_demo(args, result: dict) -> int:
             log(f"demo {rate:g}/s: {w['cores']} cores, {w['cpu_ms_per_batch']} ms/batch, "
                 f"p50 {w['latency_p50_s']} s, pss {w['pss_mean_bytes'] >> 20} MiB, load {w['load_average_mean']}")
         if args.idle:
-            result["idle"] = idle_window(record, producer, args.idle, args.sample_every)
+            result["idle"] = idle_window(record, producer, args.idle, args.sample_every, args.idle_quiet)
         for trig in args.curve:
             result["harness_cpu_s"]["drivers"] += tree_cpu_seconds(cm.descendants(record.pid))
             stop_launch(work, record.key, grace=20)
@@ -496,6 +496,9 @@ def main() -> None:
     ap.add_argument("--trigger", type=float, help="seconds: override the source steps' trigger (default: the spec's, 5; the others are event-driven)")
     ap.add_argument("--idle", type=float, help="seconds of the idle window after the rates: the producer paused, "
                                                f"{IDLE_QUIET_S:g} s later the driver tree's CPU (default 60; quick 0: none)")
+    ap.add_argument("--idle-quiet", type=float, default=IDLE_QUIET_S,
+                    help=f"seconds between pausing the producer and the idle window (default {IDLE_QUIET_S:g}: "
+                         "the last events pass and the runner goes quiet; less measures part of that)")
     ap.add_argument("--curve", default="", help="trigger intervals in seconds for the curve, e.g. 0.2,1,5")
     ap.add_argument("--curve-rate", type=float, default=100.0)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors")
@@ -521,7 +524,7 @@ def main() -> None:
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": [], "curve": [],
                     "harness_cpu_s": {"drivers": 0.0},
                     "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "settle", "trigger", "curve", "idle",
-                                                             "curve_rate", "sample_every", "profile")}
+                                                             "curve_rate", "sample_every", "profile", "idle_quiet")}
                     | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]"}}
     floors = None
     try:
