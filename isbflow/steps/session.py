@@ -143,6 +143,16 @@ SHUFFLE_PARTITIONS = 2
 #: Spark's adaptive query execution, on for the session's batch work, off in a step's query
 #: (:func:`step_query_conf`)
 ADAPTIVE_CONF = "spark.sql.adaptive.enabled"
+#: Spark's whole-stage code generation, off in a step's query (:func:`step_query_conf`): a step's
+#: micro-batch at the rates people run holds a few hundred rows, so the code Spark generates and
+#: compiles for each plan (Janino on the stream's thread, then the JIT) costs more than it saves.
+#: Measured on the demo (``bench/cost.py --no-floors --rates 100``, three drivers at once, two rounds
+#: in opposite orders): 135.8 / 146.6 -> 130.4 / 138.0 CPU ms a micro-batch, the stream threads
+#: 31.3 / 32.7 -> 27.0 / 28.3 ms; at 10,000 events/s 0.0627 CPU-s per 1,000 events against 0.0615 and
+#: 0.0752 for two runs with it (no cost seen). Spark's switch for all code generation
+#: (``spark.sql.codegen.factoryMode``, internal) cut 9% at 100 events/s but cost 26% per event at
+#: 10,000: not used. The session's batch work (quality checks, recovery's merges) keeps it.
+WHOLE_STAGE_CONF = "spark.sql.codegen.wholeStage"
 _conf_lock = threading.Lock()
 
 
@@ -165,9 +175,10 @@ def step_query_conf(spark, partitions: int) -> Iterator[None]:
     where every batch then planned twice, ran its broadcast as a query stage and its result as
     another, through two more thread pools (``QueryStageCreator``, ``ResultQueryStage``), to
     adapt a plan that a batch of a few hundred rows leaves as it is. Spark already turns it off
-    for stateful queries. The session's values are put back on the way out; queries started at
-    once from other threads wait for each other."""
-    conf = {SHUFFLE_PARTITIONS_CONF: str(max(1, partitions)), ADAPTIVE_CONF: "false"}
+    for stateful queries. Nor with whole-stage code generation (:data:`WHOLE_STAGE_CONF`). The
+    session's values are put back on the way out; queries started at once from other threads wait
+    for each other."""
+    conf = {SHUFFLE_PARTITIONS_CONF: str(max(1, partitions)), ADAPTIVE_CONF: "false", WHOLE_STAGE_CONF: "false"}
     with _conf_lock:
         before = {k: spark.conf.get(k) for k in conf}
         for k, v in conf.items():

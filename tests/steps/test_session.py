@@ -49,9 +49,9 @@ def test_checkpoints_are_written_through_the_file_system_api(spark, tmp_path):
 
 def test_a_step_query_runs_without_adaptive_execution(spark, tmp_path):
     """A stream-static broadcast join (the demo's ``enrich``) started the way the runner starts a
-    step (``QueryStarter``) plans its micro-batches once, without adaptive execution; the same query
-    started from the session runs them adaptively (so this test can fail); the session keeps it for
-    its batch work."""
+    step (``QueryStarter``) plans its micro-batches once, without adaptive execution and without
+    whole-stage code generation; the same query started from the session runs them adaptively and
+    generated (so this test can fail); the session keeps both for its batch work."""
     from pyspark.sql import functions as F  # lazy: this module's other tests start no Spark
 
     services = F.broadcast(spark.createDataFrame([("api", "core"), ("web", "edge")], "service string, team string"))
@@ -64,10 +64,12 @@ def test_a_step_query_runs_without_adaptive_execution(spark, tmp_path):
         assert q.awaitTermination(120) and q.exception() is None
         return q._jsq.explainInternal(False)  # what StreamingQuery.explain() prints: the last batch's plan
 
-    assert "AdaptiveSparkPlan" in last_plan(lambda w: w.start(), "session")
+    session = last_plan(lambda w: w.start(), "session")
+    assert "AdaptiveSparkPlan" in session and "*(" in session, session  # "*(1) Project": generated code
     step = last_plan(lambda w: QueryStarter(spark, w, 2).start(), "step")
-    assert "BroadcastHashJoin" in step and "AdaptiveSparkPlan" not in step
+    assert "BroadcastHashJoin" in step and "AdaptiveSparkPlan" not in step and "*(" not in step, step
     assert spark.conf.get("spark.sql.adaptive.enabled") == "true"
+    assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
 
 
 def test_a_pipeline_driver_gets_the_lean_jvm_options_unless_told_otherwise(monkeypatch):
