@@ -148,8 +148,8 @@ ADAPTIVE_CONF = "spark.sql.adaptive.enabled"
 #: compiles for each plan (Janino on the stream's thread, then the JIT) costs more than it saves.
 #: Measured on the demo (``bench/cost.py --no-floors --rates 100``, three drivers at once, two rounds
 #: in opposite orders): 135.8 / 146.6 -> 130.4 / 138.0 CPU ms a micro-batch, the stream threads
-#: 31.3 / 32.7 -> 27.0 / 28.3 ms; at 10,000 events/s 0.0627 CPU-s per 1,000 events against 0.0615 and
-#: 0.0752 for two runs with it (no cost seen). Spark's switch for all code generation
+#: 31.3 / 32.7 -> 27.0 / 28.3 ms; at 10,000 events/s 0.0627 CPU-s per 1,000 events without it, 0.0615 and
+#: 0.0752 in two runs with it (no cost seen). Spark's switch for all code generation
 #: (``spark.sql.codegen.factoryMode``, internal) cut 9% at 100 events/s but cost 26% per event at
 #: 10,000: not used. The session's batch work (quality checks, recovery's merges) keeps it.
 WHOLE_STAGE_CONF = "spark.sql.codegen.wholeStage"
