@@ -495,7 +495,7 @@ def main() -> None:
                          "from minute 1, 4, 7 and 10; default 420; quick 0)")
     ap.add_argument("--trigger", type=float, help="seconds: override the source steps' trigger (default: the spec's, 5; the others are event-driven)")
     ap.add_argument("--idle", type=float, help="seconds of the idle window after the rates: the producer paused, "
-                                               f"{IDLE_QUIET_S:g} s later the driver tree's CPU (default 60; quick 0: none)")
+                                               "--idle-quiet seconds later the driver tree's CPU (default 60; quick 0: none)")
     ap.add_argument("--idle-quiet", type=float, default=IDLE_QUIET_S,
                     help=f"seconds between pausing the producer and the idle window (default {IDLE_QUIET_S:g}: "
                          "the last events pass and the runner goes quiet; less measures part of that)")
