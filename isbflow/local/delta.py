@@ -38,12 +38,16 @@ import logging
 import os
 import re
 import time
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from urllib.parse import urlparse
+from typing import Any
+from urllib.parse import quote, urlparse
 from urllib.request import url2pathname
 
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction
 
 _log = logging.getLogger(__name__)
 
@@ -125,13 +129,37 @@ class TableCache:
     py-spy on a driver at 20K events/s (200 ms trigger) had it at half of each commit. A read
     forward that fails (maintenance trimmed the commits it needs) loads anew. :meth:`forget`
     after a failed commit: the next attempt starts from a fresh load, as before the cache.
+
+    **Appends without listing the log** (:meth:`kept`, :meth:`append`). Every read forward and every
+    delta-rs commit lists the whole ``_delta_log`` folder on a local disk (object_store's
+    ``list_with_offset`` reads every entry and filters: delta-kernel-rs issue 2335), so a sink's
+    commit costs CPU in proportion to the log it keeps: ``bench/delta_log.py`` measured a delta-rs
+    append 20.1 ms with 205 log entries and 434 ms with 140,105 (~2.95 us an entry; a commit every
+    5 s kept 168 h is ~121,000 entries), one through this cache 0.6-2.2 ms with any of those logs.
+    A plain append needs none of it: the commit is the next version's
+    file, and nothing but this cache's own appends can have come since the kept table when that
+    file is absent and the log's last checkpoint is not past the kept version (sink maintenance
+    trims the commit files below a checkpoint it wrote: the quick soak lost a batch written into
+    such a hole). :meth:`kept` answers from the kept table and the appends made since (a ``stat``
+    and ``_last_checkpoint``), :meth:`append` writes the next commit file itself (written aside, then linked into
+    place: a version another writer took is never overwritten, and the caller falls back to
+    delta-rs), and every :data:`DEFAULT_CHECKPOINT_INTERVAL` versions (the table's
+    ``delta.checkpointInterval``) reads forward and writes the checkpoint delta-rs' post-commit hook
+    would have. Only for tables whose protocol asks nothing more of a writer than appending files
+    (writer version 2 at most, no table features, no constraints or invariants).
     """
 
     def __init__(self, path: str):
         self.path = path
         self._table: DeltaTable | None = None
+        #: the app transactions ``(app id, version)`` of the versions :meth:`append` wrote after the
+        #: kept table's own, oldest first
+        self._ahead: list[tuple[str, int]] = []
+        #: :func:`appends_plainly` of the kept table, at the version it was asked
+        self._plain: tuple[int, bool] | None = None
 
     def get(self) -> DeltaTable | None:
+        self._ahead.clear()
         if self._table is not None:
             try:
                 self._table.update_incremental()
@@ -144,6 +172,73 @@ class TableCache:
         except TableNotFoundError:
             return None
         return self._table
+
+    def kept(self, app_id: str, appending: bool = True) -> tuple[DeltaTable, int, int | None] | None:
+        """Without listing the log: the kept table, the table's latest version and ``app_id``'s
+        transaction version in it, when every commit since the kept table's is one :meth:`append`
+        made (the next version's file is absent) and, ``appending``, the table takes plain appends;
+        else ``None`` (read it forward with :meth:`get`). Not ``appending`` (a delta-rs merge that
+        moves the kept table to the version it commits), the kept table is current when the next
+        version's file is absent."""
+        table = self._table
+        if table is None:
+            return None
+        if appending:
+            if self._plain is None or self._plain[0] != table.version():
+                self._plain = (table.version(), appends_plainly(table))
+            if not self._plain[1]:
+                return None
+        version = table.version() + len(self._ahead)
+        root = log_root(table)
+        # the checkpoint read after the next version's file: a trim removes commit files only below a
+        # checkpoint it wrote first, so a version absent under a checkpoint past it had been there
+        if (root / commit_file(version + 1)).exists() or last_checkpoint(root) > version:
+            return None
+        txn = next((v for a, v in reversed(self._ahead) if a == app_id), None)
+        return table, version, txn if txn is not None else table.transaction_version(app_id)
+
+    def append(self, actions: Sequence[AddAction], metadata: Mapping[str, Any], app_id: str, txn_version: int,
+               partition_by: Sequence[str]) -> int | None:
+        """Commit ``actions`` as the version after :meth:`kept`'s, with the app transaction ``(app_id,
+        txn_version)`` and ``metadata`` in its ``commitInfo`` (as delta-rs writes them); the version,
+        or ``None`` when another writer committed it first (nothing written)."""
+        assert self._table is not None, "append() after kept()"
+        root = log_root(self._table)
+        version = self._table.version() + len(self._ahead) + 1
+        info = {"timestamp": int(time.time() * 1000), "operation": "WRITE",
+                "operationParameters": {"mode": "Append", "partitionBy": json.dumps(list(partition_by))},
+                "engineInfo": ENGINE, "clientVersion": ENGINE, **metadata}
+        lines = [{"commitInfo": info}]
+        lines += [{"add": {"path": quote(a.path, safe="/="), "partitionValues": dict(a.partition_values),
+                           "size": a.size, "modificationTime": a.modification_time, "dataChange": a.data_change,
+                           "stats": a.stats}} for a in actions]
+        lines.append({"txn": {"appId": app_id, "version": txn_version}})
+        aside = root / f".{commit_file(version)}.{uuid.uuid4().hex}.tmp"
+        aside.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+        try:
+            os.link(aside, root / commit_file(version))  # fails when the version exists: never overwrites
+        except FileExistsError:
+            return None
+        finally:
+            aside.unlink(missing_ok=True)
+        if last_checkpoint(root) >= version:  # maintenance checkpointed and trimmed since kept(): this
+            (root / commit_file(version)).unlink(missing_ok=True)  # file lies below the checkpoint, unread
+            return None
+        self._ahead.append((app_id, txn_version))
+        if version % checkpoint_interval(self._table) == 0:
+            self._checkpoint()
+        return version
+
+    def _checkpoint(self) -> None:
+        """The checkpoint delta-rs writes after every ``delta.checkpointInterval`` commits; the
+        commit it follows has landed, so a failure is logged, not raised."""
+        try:
+            table = self.get()
+            if table is not None:
+                table.create_checkpoint()
+        except DeltaError as e:
+            _log.warning("%s: checkpoint not written (%s); the next one covers it", self.path, e)
+            self.forget()
 
     def committed_version(self, read: int | None, app_id: str, txn_version: int) -> int:
         """The version a commit made on a table read at version ``read``: ``read + 1`` when that
@@ -166,3 +261,41 @@ class TableCache:
 
     def forget(self) -> None:
         self._table = None
+        self._ahead.clear()
+
+
+#: ``engineInfo`` and ``clientVersion`` of the commits :meth:`TableCache.append` writes
+ENGINE = "isbflow"
+#: delta-rs' (and Delta's) checkpoint interval when the table does not set ``delta.checkpointInterval``
+DEFAULT_CHECKPOINT_INTERVAL = 100
+
+
+def commit_file(version: int) -> str:
+    """The name of commit ``version``'s file in ``_delta_log``."""
+    return f"{version:020d}.json"
+
+
+def last_checkpoint(root: Path) -> int:
+    """The version of the log's last checkpoint (``_delta_log/_last_checkpoint``), -1 when none."""
+    try:
+        return int(json.loads((root / "_last_checkpoint").read_text())["version"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return -1
+
+
+def checkpoint_interval(table: DeltaTable) -> int:
+    raw = table.metadata().configuration.get("delta.checkpointInterval")
+    try:
+        return max(1, int(raw)) if raw else DEFAULT_CHECKPOINT_INTERVAL
+    except ValueError:
+        return DEFAULT_CHECKPOINT_INTERVAL
+
+
+def appends_plainly(table: DeltaTable) -> bool:
+    """Whether a commit of ``add`` actions is all a writer owes ``table`` (:class:`TableCache`): a
+    local table, writer version 2 at most, no table features, no CHECK constraints, no invariants."""
+    protocol = table.protocol()
+    return (urlparse(table.table_uri).scheme in ("", "file") and protocol.min_writer_version <= 2
+            and not protocol.writer_features
+            and not any(k.startswith("delta.constraints.") for k in table.metadata().configuration)
+            and "delta.invariants" not in table.schema().to_json())

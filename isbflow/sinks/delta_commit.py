@@ -26,17 +26,14 @@ Contract (exactly once per micro-batch and app id), told for ``isb-delta``:
   batch) are removed (:func:`remove_unreferenced_batch_files`). The commit finds
   the batch's files by the markers its tasks left in the batch's own pending
   folder and names the files it commits there first (``COMMITTING``): it never
-  walks the table folder or lists the table's files, so its cost does not grow
-  with the table (delta-rs still needs the table's snapshot to commit: a step's sink
-  keeps it between batches and reads it forward, :class:`isbflow.local.delta.TableCache`;
-  scheduled compaction keeps it small, :mod:`isbflow.sinks.maintain`).
+  walks the table folder or lists its files, nor, for an append, its log (a step's
+  sink keeps its table, :class:`isbflow.local.delta.TableCache`, and writes an
+  append's commit file itself while it alone commits; delta-rs' merge still lists it).
 - ``abort`` runs on the driver when a task failed: it removes the batch's
   unreferenced files.
 
-Pickled: Spark pickles :class:`DeltaStreamWriter` on the driver and unpickles
-it in every task, so it holds only the validated, picklable
+Pickled: :class:`DeltaStreamWriter` holds only the validated, picklable
 :class:`~isbflow.sinks.delta_files.DeltaSinkOptions` and the Spark schema.
-Everything else here runs on the driver.
 
 Offsets: when the rows carry ``_isb_id``, each task also returns, per source
 partition, the ranges of source sequences it wrote
@@ -111,7 +108,6 @@ from isbflow.sinks.delta_files import (
     COMMITTING_FILE,
     SHORT_NAME,
     DeltaCommitMessage,
-    DeltaSchemaMismatch,
     DeltaSinkError,
     DeltaSinkOptionError,
     DeltaSinkOptions,
@@ -122,7 +118,7 @@ from isbflow.sinks.delta_files import (
 )
 from isbflow.sinks.delta_log import TABLE_CONFIGURATION
 from isbflow.sinks.delta_merge import (
-    check_schema,
+    check_append,
     latest_per_key,
     merge_insert_missing,
     merge_upsert,
@@ -232,13 +228,24 @@ def commit_batch(
 
 
 def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage], batch_id: int,
-                       where: str, tables: TableCache) -> BatchCommit:
-    """One attempt of :func:`commit_batch`, on the table as it is now."""
+                       where: str, tables: TableCache, own: bool = True) -> BatchCommit:
+    """One attempt of :func:`commit_batch`, on the table as it is now; ``own``: an append may write its
+    commit file itself (:meth:`TableCache.append`), else it goes through delta-rs."""
     actions = [a for m in msgs for a in m.actions]
     offsets = ledger.union(*(m.offsets or {} for m in msgs))
     rows = sum(json.loads(a.stats)["numRecords"] for a in actions)
-    table = tables.get()
-    done = table.transaction_version(options.app_id) if table else None
+    # from the kept table without listing the log when it can (TableCache.kept: an append then writes
+    # its commit itself, an upsert's merge moves the kept table), else the table read forward
+    append = options.mode == "append" and own
+    kept = tables.kept(options.app_id, appending=append) if append or options.mode == "upsert" else None
+    if kept is None:
+        table = tables.get()
+        kept = tables.kept(options.app_id, appending=append) if append and table is not None else None
+    if kept is not None:
+        table, read, done = kept
+    else:
+        done = table.transaction_version(options.app_id) if table else None
+        read = table.version() if table is not None else None
     if done is not None and done >= batch_id:
         if done > batch_id:
             _log.warning(
@@ -264,17 +271,24 @@ def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage]
         metadata.update({"isb.operation": "merge_insert_missing", "isb.key": ledger.ID_COLUMN,
                          "isb.mergePath": "ledger-append"})
     elif options.mode in ("merge", "upsert"):  # the merge writes its own files: none of the batch's is kept
-        commit = _commit_merge(options, actions, schema, metadata, rows, batch_id, where)
+        commit = _commit_merge(options, actions, schema, metadata, rows, batch_id, where, table)
         _clean_up(options, batch_id, offsets, where, committed=())
         return commit
     _note_committing(options, batch_id, actions)
-    read = table.version() if table is not None else None
-    _commit_files(options, table, actions, schema, metadata, batch_id, where)
+    if kept is not None and append:
+        check_append(kept[0], schema, options.partition_by, where)
+        version = tables.append(actions, metadata, options.app_id, batch_id, options.partition_by)
+        if version is None:  # another writer (maintenance) took the version: again, through delta-rs
+            tables.forget()
+            return _commit_batch_once(options, msgs, batch_id, where, tables, own=False)
+    else:
+        _commit_files(options, table, actions, schema, metadata, batch_id, where)
+        # the version: the commit file after the one the commit read, when it holds this batch's app
+        # transaction; else the table read forward, or loaded when the batch created it
+        version = tables.committed_version(read, options.app_id, batch_id)
     # Attempts that failed before this batch succeeded may have left files behind.
     _clean_up(options, batch_id, offsets, where, committed=[a.path for a in actions])
-    # the version: the commit file after the one the commit read, when it holds this batch's app
-    # transaction; else the table read forward, or loaded when the batch created it
-    return BatchCommit(batch_id, tables.committed_version(read, options.app_id, batch_id), len(actions), rows)
+    return BatchCommit(batch_id, version, len(actions), rows)
 
 
 def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: list[AddAction],
@@ -295,22 +309,15 @@ def _commit_files(options: DeltaSinkOptions, table: DeltaTable | None, actions: 
             commit_properties=props,
         )
         return
-    def append(table: DeltaTable) -> None:
-        check_schema(table, schema, where)
-        if list(table.metadata().partition_columns) != list(options.partition_by):
-            raise DeltaSchemaMismatch(
-                f"{where}: partitionBy {list(options.partition_by)} differs from the table's "
-                f"partition columns {table.metadata().partition_columns}; use the table's"
-            )
-        table.create_write_transaction(
-            actions,
-            mode="append",
-            schema=schema,
-            partition_by=list(options.partition_by) or None,
-            commit_properties=props,
-        )
+    check_append(table, schema, options.partition_by, where)
+    table.create_write_transaction(
+        actions,
+        mode="append",
+        schema=schema,
+        partition_by=list(options.partition_by) or None,
+        commit_properties=props,
+    )
 
-    append(table)
 
 
 def _again_after_maintenance(commit, where: str):
@@ -334,9 +341,9 @@ def _again_after_maintenance(commit, where: str):
 
 
 def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
-                  metadata: dict, rows: int, batch_id: int, where: str) -> BatchCommit:
-    """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge; a merge-mode
-    batch of more than :data:`MERGE_CHUNK_ROWS` rows in chunks (:func:`_commit_merge_chunks`)."""
+                  metadata: dict, rows: int, batch_id: int, where: str, table: DeltaTable | None) -> BatchCommit:
+    """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge (an upsert's into
+    the kept ``table``); a merge-mode batch of more than :data:`MERGE_CHUNK_ROWS` rows in chunks."""
     if options.mode == "merge" and not options.version_column and rows > MERGE_CHUNK_ROWS:
         return _commit_merge_chunks(options, actions, schema, metadata, rows, batch_id)
     batch = read_batch_files(options, actions, schema)
@@ -346,7 +353,7 @@ def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: p
                                            where=where)
     if options.mode == "upsert":
         up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
-                          metadata=metadata, partition_by=options.partition_by)
+                          metadata=metadata, partition_by=options.partition_by, delta=table)
         written, version = up.updated + up.inserted, up.version
     else:
         merged = merge_insert_missing(options.path, batch, key=options.merge_key, app_id=options.app_id,

@@ -97,6 +97,17 @@ def check_schema(table: DeltaTable, schema: pa.Schema, where: str) -> None:
         )
 
 
+def check_append(table: DeltaTable, schema: pa.Schema, partition_by: Iterable[str], where: str) -> None:
+    """:class:`DeltaSchemaMismatch` unless rows of ``schema`` partitioned by ``partition_by`` can be
+    appended to ``table`` as they are (:func:`check_schema`, and the same partition columns)."""
+    check_schema(table, schema, where)
+    if list(table.metadata().partition_columns) != list(partition_by):
+        raise DeltaSchemaMismatch(
+            f"{where}: partitionBy {list(partition_by)} differs from the table's "
+            f"partition columns {table.metadata().partition_columns}; use the table's"
+        )
+
+
 # --------------------------------------------------------------------------- keys
 
 
@@ -235,13 +246,18 @@ def merge_upsert(
     metadata: Mapping[str, Any] | None = None,
     partition_by: Iterable[str] = (),
     operation: str = "merge_upsert",
+    delta: DeltaTable | None = None,
 ) -> UpsertResult:
     """Replace the rows whose ``key`` matches a row of ``table`` and insert the others, in one commit.
 
     ``table`` must hold each key once (:func:`latest_per_key` makes it so);
     keys compare null-safe. App transaction, metadata and table creation as in
     :func:`merge_insert_missing`. Idempotent: the same rows again change nothing
-    a reader can see (the values are equal).
+    a reader can see (the values are equal). ``delta``: the table at ``path`` at its latest
+    version, kept by the caller (a sink's :class:`~isbflow.local.delta.TableCache`); the merge
+    moves it to the version it commits. Without it the table is loaded before the merge and
+    again after it, each load listing the whole log (``bench/delta_log.py``: an upsert into a
+    table of 10,000 log entries 57 ms of CPU with the loads, 38 with a kept table).
     """
     keys = _keys(path, table, key, "upsert into")
     if table.num_rows:
@@ -250,7 +266,8 @@ def merge_upsert(
             raise DeltaSinkError(
                 f"upsert into {path}: {table.num_rows - distinct} row(s) repeat a key {keys} of an "
                 "earlier row; give the sink a versionColumn so the latest version wins")
-    delta = open_table(path)
+    kept = delta is not None
+    delta = delta if kept else open_table(path)
     props = _merge_props(delta, metadata, operation, keys, app_id, version)
     table = table.cast(delta_arrow_schema(table.schema))
     if delta is None:
@@ -268,7 +285,8 @@ def merge_upsert(
         .when_not_matched_insert_all()
         .execute()
     )
-    return UpsertResult(load_table(path).version(), int(metrics.get("num_target_rows_updated", 0)),
+    return UpsertResult(delta.version() if kept else load_table(path).version(),
+                        int(metrics.get("num_target_rows_updated", 0)),
                         int(metrics.get("num_target_rows_inserted", 0)))
 
 

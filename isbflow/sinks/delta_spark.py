@@ -99,7 +99,7 @@ _SPARK_FILE = re.compile(r"^part-(\d+)-.*\.parquet$")
 
 
 class DeltaBatchWriter:
-    """``foreachBatch`` function of a Delta sink: Spark writes the Parquet, delta-rs commits once.
+    """``foreachBatch`` function of a Delta sink: Spark writes the Parquet, the driver commits once.
 
     Called on the driver once per micro-batch with ``(batch_df, batch_id)``
     (the module docstring gives the steps). Holds only the validated options;

@@ -13,8 +13,9 @@ transforms DataFrames:
   ``isb-ref`` table, cached in the driver and read again when its KV bucket's
   revision moves (the runner asks on every heartbeat, 2-5 s), so a changed value
   shows up in a batch after the next beat;
-* **sink**: read the frames and write the Delta table (Spark's Parquet writer, one delta-rs commit
-  per micro-batch: :mod:`isbflow.sinks.delta_spark`) or the PostgreSQL table.
+* **sink**: read the frames and write the Delta table (one Delta commit per micro-batch; the read
+  tasks write the Parquet, :mod:`isbflow.steps.write_through`, or under a failure policy Spark's
+  Parquet writer, :mod:`isbflow.sinks.delta_spark`) or the PostgreSQL table.
 
 A udf with ``output: update`` (a streaming aggregation) runs in Spark's update
 output mode and publishes through :mod:`isbflow.steps.update` (each row stamped
