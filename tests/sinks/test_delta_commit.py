@@ -297,3 +297,30 @@ def test_a_kept_table_is_not_taken_for_current_when_maintenance_trimmed_the_log_
     assert done.version is not None and done.version > 3
     assert sorted(read_sink(str(path)).column("v").to_pylist()) == list(range(1, 41))
     assert DeltaTable(str(path)).transaction_version(APP) == 3
+
+
+def test_a_commit_a_checkpoint_overtook_is_taken_back_and_made_again(tmp_path, monkeypatch):
+    """Maintenance folds, checkpoints and trims between the batch's look at the log and its commit:
+    the version the batch takes is a hole below the checkpoint. The batch takes its file back and
+    commits through delta-rs, after the checkpoint."""
+    from isbflow.local.delta import TableCache
+    from isbflow.sinks.delta_log import bound_log
+
+    path = tmp_path / "t"
+    opts = DeltaSinkOptions.from_options({"path": str(path), "appId": APP})
+    tables = TableCache(str(path))
+    for b in range(3):
+        commit_batch(opts, [write_batch_files(opts, rows(b * 10 + 1, 10).to_batches(), b, 0)], b, tables)
+    real_link, trimmed = os.link, []
+
+    def maintenance_first(src, dst, *a, **k):
+        if not trimmed and str(dst).endswith(".json"):
+            trimmed.append(bound_log(str(path), 0, force=True))
+            assert not os.path.exists(dst)  # the version the batch takes: removed by the trim
+        return real_link(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "link", maintenance_first)
+    done = commit_batch(opts, [write_batch_files(opts, rows(31, 10).to_batches(), 3, 0)], 3, tables)
+    assert trimmed and done.version is not None and done.version > 3
+    assert sorted(read_sink(str(path)).column("v").to_pylist()) == list(range(1, 41))
+    assert DeltaTable(str(path)).transaction_version(APP) == 3
