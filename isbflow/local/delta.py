@@ -92,7 +92,7 @@ def commit_action(root: Path, version: int, kind: str) -> dict | None:
     log folder ``root``; ``None`` when it holds none; :class:`FileNotFoundError` when the file is gone.
     Only the lines that name ``kind`` are parsed (a commit of many files has as many ``add`` lines)."""
     tag = f'"{kind}"'.encode()
-    with open(root / f"{version:020d}.json", "rb") as f:
+    with open(root / commit_file(version), "rb") as f:
         for line in f:
             if tag in line and kind in (action := json.loads(line)):
                 return action[kind]
@@ -176,10 +176,10 @@ class TableCache:
     def kept(self, app_id: str, appending: bool = True) -> tuple[DeltaTable, int, int | None] | None:
         """Without listing the log: the kept table, the table's latest version and ``app_id``'s
         transaction version in it, when every commit since the kept table's is one :meth:`append`
-        made (the next version's file is absent) and, ``appending``, the table takes plain appends;
-        else ``None`` (read it forward with :meth:`get`). Not ``appending`` (a delta-rs merge that
-        moves the kept table to the version it commits), the kept table is current when the next
-        version's file is absent."""
+        made (the next version's file is absent and no checkpoint is past that version) and,
+        ``appending``, the table takes plain appends; else ``None`` (read it forward with
+        :meth:`get`). Not ``appending`` (a delta-rs merge that moves the kept table to the version
+        it commits), the kept table is current on the same two conditions."""
         table = self._table
         if table is None:
             return None
