@@ -40,11 +40,13 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 from urllib.request import url2pathname
 
+import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction
@@ -147,19 +149,27 @@ class TableCache:
     ``delta.checkpointInterval``) reads forward and writes the checkpoint delta-rs' post-commit hook
     would have. Only for tables whose protocol asks nothing more of a writer than appending files
     (writer version 2 at most, no table features, no constraints or invariants).
+
+    **An upsert's commit** (:meth:`commit`, :meth:`files`) the same way: removes as well as adds, and
+    the table's active files with their stats kept current across the commits it makes, so an upsert
+    sink chooses the files it rewrites without a delta-rs merge (:mod:`isbflow.sinks.delta_upsert`).
     """
 
     def __init__(self, path: str):
         self.path = path
         self._table: DeltaTable | None = None
-        #: the app transactions ``(app id, version)`` of the versions :meth:`append` wrote after the
+        #: the app transactions ``(app id, version)`` of the versions :meth:`commit` wrote after the
         #: kept table's own, oldest first
         self._ahead: list[tuple[str, int]] = []
         #: :func:`appends_plainly` of the kept table, at the version it was asked
         self._plain: tuple[int, bool] | None = None
+        #: the active files at the kept version and after the commits :meth:`commit` made since, with
+        #: their stats (:meth:`files`); ``None`` until asked, and again when the table moved otherwise
+        self._files: dict[str, FileStats] | None = None
 
     def get(self) -> DeltaTable | None:
         self._ahead.clear()
+        self._files = None
         if self._table is not None:
             try:
                 self._table.update_incremental()
@@ -183,11 +193,8 @@ class TableCache:
         table = self._table
         if table is None:
             return None
-        if appending:
-            if self._plain is None or self._plain[0] != table.version():
-                self._plain = (table.version(), appends_plainly(table))
-            if not self._plain[1]:
-                return None
+        if appending and not self.plain():
+            return None
         version = table.version() + len(self._ahead)
         root = log_root(table)
         # the checkpoint read after the next version's file: a trim removes commit files only below a
@@ -197,21 +204,54 @@ class TableCache:
         txn = next((v for a, v in reversed(self._ahead) if a == app_id), None)
         return table, version, txn if txn is not None else table.transaction_version(app_id)
 
+    def plain(self) -> bool:
+        """:func:`appends_plainly` of the kept table (asked once a version); ``False`` without one."""
+        table = self._table
+        if table is None:
+            return False
+        if self._plain is None or self._plain[0] != table.version():
+            self._plain = (table.version(), appends_plainly(table))
+        return self._plain[1]
+
+    def files(self) -> dict[str, FileStats]:
+        """The table's active files with their stats, from the kept table (read forward first when
+        commits were made since that did not say what they added) and the commits :meth:`commit`
+        made since; the caller must not change it."""
+        if self._files is None:
+            table = self.get() if self._ahead else self._table
+            if table is None:
+                raise TableNotFoundError(f"no Delta table at {self.path}")
+            self._files = file_stats(table)
+        return self._files
+
     def append(self, actions: Sequence[AddAction], metadata: Mapping[str, Any], app_id: str, txn_version: int,
                partition_by: Sequence[str]) -> int | None:
         """Commit ``actions`` as the version after :meth:`kept`'s, with the app transaction ``(app_id,
         txn_version)`` and ``metadata`` in its ``commitInfo`` (as delta-rs writes them); the version,
         or ``None`` when another writer committed it first (nothing written)."""
-        assert self._table is not None, "append() after kept()"
+        return self.commit(actions, (), metadata, app_id, txn_version,
+                           {"mode": "Append", "partitionBy": json.dumps(list(partition_by))})
+
+    def commit(self, actions: Sequence[AddAction], removes: Sequence[tuple[str, int]], metadata: Mapping[str, Any],
+               app_id: str, txn_version: int, parameters: Mapping[str, str], operation: str = "WRITE",
+               stats: Mapping[str, FileStats] | None = None) -> int | None:
+        """:meth:`append` with ``removes`` too (``(path, size)`` of active files of an unpartitioned
+        table, :meth:`files`), ``operation`` and its ``parameters`` in the ``commitInfo``; ``stats``:
+        the added files' (:meth:`files` then follows the commit; without, the next call reads the
+        table forward)."""
+        assert self._table is not None, "commit() after kept()"
         root = log_root(self._table)
         version = self._table.version() + len(self._ahead) + 1
-        info = {"timestamp": int(time.time() * 1000), "operation": "WRITE",
-                "operationParameters": {"mode": "Append", "partitionBy": json.dumps(list(partition_by))},
+        now = int(time.time() * 1000)
+        info = {"timestamp": now, "operation": operation, "operationParameters": dict(parameters),
                 "engineInfo": ENGINE, "clientVersion": ENGINE, **metadata}
         lines = [{"commitInfo": info}]
         lines += [{"add": {"path": quote(a.path, safe="/="), "partitionValues": dict(a.partition_values),
                            "size": a.size, "modificationTime": a.modification_time, "dataChange": a.data_change,
                            "stats": a.stats}} for a in actions]
+        lines += [{"remove": {"path": quote(path, safe="/="), "dataChange": True, "deletionTimestamp": now,
+                              "extendedFileMetadata": True, "partitionValues": {}, "size": size}}
+                  for path, size in removes]
         lines.append({"txn": {"appId": app_id, "version": txn_version}})
         aside = root / f".{commit_file(version)}.{uuid.uuid4().hex}.tmp"
         aside.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
@@ -225,6 +265,12 @@ class TableCache:
             (root / commit_file(version)).unlink(missing_ok=True)  # file lies below the checkpoint, unread
             return None
         self._ahead.append((app_id, txn_version))
+        if self._files is not None and stats is not None:
+            for path, _ in removes:
+                self._files.pop(path, None)
+            self._files.update(stats)
+        elif self._files is not None:
+            self._files = None
         if version % checkpoint_interval(self._table) == 0:
             self._checkpoint()
         return version
@@ -262,6 +308,32 @@ class TableCache:
     def forget(self) -> None:
         self._table = None
         self._ahead.clear()
+        self._files = None
+
+
+@dataclass(frozen=True)
+class FileStats:
+    """An active file of a table, as an upsert chooses the files it reads (:meth:`TableCache.files`):
+    its size, rows, and per column the least and greatest value and the nulls (absent: unknown)."""
+
+    size: int
+    rows: int | None
+    mins: Mapping[str, Any]
+    maxs: Mapping[str, Any]
+    nulls: Mapping[str, int]
+
+
+def file_stats(table: DeltaTable) -> dict[str, FileStats]:
+    """Every active file of ``table`` by its path, with the stats its add action holds."""
+    actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()
+    out = {}
+    for i, path in enumerate(actions["path"]):
+        per = {kind: {name.split(".", 1)[1]: values[i] for name, values in actions.items()
+                      if name.startswith(f"{kind}.") and values[i] is not None}
+               for kind in ("min", "max", "null_count")}
+        rows = actions.get("num_records", [None] * len(actions["path"]))[i]
+        out[path] = FileStats(actions["size_bytes"][i], rows, per["min"], per["max"], per["null_count"])
+    return out
 
 
 #: ``engineInfo`` and ``clientVersion`` of the commits :meth:`TableCache.append` writes

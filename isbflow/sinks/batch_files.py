@@ -1,5 +1,6 @@
-"""A micro-batch's files read back on the driver before their commit: the rows of a Delta sink's
-merge and upsert modes (:mod:`isbflow.sinks.delta_commit`), at once or in chunks of a bounded size."""
+"""A micro-batch's files on the driver before their commit: read back (the rows of a Delta sink's merge
+and upsert modes, :mod:`isbflow.sinks.delta_commit`, at once or in chunks of a bounded size), and the
+files a commit is about to hold named in the batch's pending folder (:func:`note_committing`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake.transaction import AddAction
 
-from isbflow.sinks.delta_files import DeltaSinkOptions
+from isbflow.sinks.delta_files import COMMITTING_FILE, DeltaSinkOptions, pending_dir
 
 
 def _file_rows(options: DeltaSinkOptions, a: AddAction, t: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -49,3 +50,23 @@ def batch_chunks(options: DeltaSinkOptions, actions: list[AddAction], schema: pa
                     held, count = [], 0
     if held:
         yield pa.concat_tables(held)
+
+
+def committing(folder: str) -> list[str]:
+    """The paths the ``COMMITTING`` list of a pending folder names (``[]`` when there is none)."""
+    try:
+        with open(os.path.join(folder, COMMITTING_FILE)) as f:
+            return [line for line in f.read().splitlines() if line]
+    except FileNotFoundError:
+        return []
+
+
+def note_committing(options: DeltaSinkOptions, batch_id: int, actions: list[AddAction]) -> None:
+    """Before committing the tasks' files: name them in the pending folder (atomically), so a
+    replay after a crash between the commit and the clean-up knows which files the log holds."""
+    folder = pending_dir(options.path, options.app_id, batch_id)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{COMMITTING_FILE}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write("".join(f"{a.path}\n" for a in actions))
+    os.replace(tmp, os.path.join(folder, COMMITTING_FILE))

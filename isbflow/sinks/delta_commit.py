@@ -63,7 +63,8 @@ held takes this path; batches overlapping it merge. Measured in
 ``mode=upsert`` (the sink of a step with ``udf.output: update``, e.g. windowed
 aggregates): in one Delta merge per micro-batch on the driver, rows whose
 ``mergeKey`` the table holds replace those rows, the others are inserted
-(:func:`isbflow.sinks.delta_merge.merge_upsert`); the same app-transaction
+(written by the sink itself into its kept table, :mod:`isbflow.sinks.delta_upsert`, else
+:func:`isbflow.sinks.delta_merge.merge_upsert`); the same app-transaction
 check makes a replayed batch commit nothing. With ``versionColumn`` (an
 integer column the upstream writer stamps, see :mod:`isbflow.steps.update`),
 when a key appears several times in one micro-batch (several upstream batches
@@ -104,8 +105,9 @@ from isbflow.isb.connect import settings_from_json
 from isbflow.isb.errors import LedgerFull
 from isbflow.local.delta import TableCache, log_file_vanished, table_history
 from isbflow.sinks.batch_files import batch_chunks, read_batch_files
+from isbflow.sinks.batch_files import committing as _committing
+from isbflow.sinks.batch_files import note_committing as _note_committing
 from isbflow.sinks.delta_files import (
-    COMMITTING_FILE,
     SHORT_NAME,
     DeltaCommitMessage,
     DeltaSinkError,
@@ -124,6 +126,7 @@ from isbflow.sinks.delta_merge import (
     merge_upsert,
     open_table,
 )
+from isbflow.sinks.delta_upsert import own_upsert
 
 _log = logging.getLogger(__name__)
 #: times a batch's commit is tried again after sink maintenance changed the table under it
@@ -167,26 +170,6 @@ def remove_unreferenced_batch_files(path: str, app_id: str, batch_id: int,
             removed += 1
     shutil.rmtree(folder, ignore_errors=True)
     return removed
-
-
-def _committing(folder: str) -> list[str]:
-    """The paths the ``COMMITTING`` list of a pending folder names (``[]`` when there is none)."""
-    try:
-        with open(os.path.join(folder, COMMITTING_FILE)) as f:
-            return [line for line in f.read().splitlines() if line]
-    except FileNotFoundError:
-        return []
-
-
-def _note_committing(options: DeltaSinkOptions, batch_id: int, actions: list[AddAction]) -> None:
-    """Before committing the tasks' files: name them in the pending folder (atomically), so a
-    replay after a crash between the commit and the clean-up knows which files the log holds."""
-    folder = pending_dir(options.path, options.app_id, batch_id)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{COMMITTING_FILE}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write("".join(f"{a.path}\n" for a in actions))
-    os.replace(tmp, os.path.join(folder, COMMITTING_FILE))
 
 
 @dataclass(frozen=True)
@@ -271,8 +254,9 @@ def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage]
         metadata.update({"isb.operation": "merge_insert_missing", "isb.key": ledger.ID_COLUMN,
                          "isb.mergePath": "ledger-append"})
     elif options.mode in ("merge", "upsert"):  # the merge writes its own files: none of the batch's is kept
-        commit = _commit_merge(options, actions, schema, metadata, rows, batch_id, where, table)
-        _clean_up(options, batch_id, offsets, where, committed=())
+        commit, written = _commit_merge(options, actions, schema, metadata, rows, batch_id, where, table,
+                                        tables if own else None)
+        _clean_up(options, batch_id, offsets, where, committed=written)
         return commit
     _note_committing(options, batch_id, actions)
     if kept is not None and append:
@@ -340,27 +324,41 @@ def _again_after_maintenance(commit, where: str):
     raise AssertionError("unreachable")
 
 
-def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema,
-                  metadata: dict, rows: int, batch_id: int, where: str, table: DeltaTable | None) -> BatchCommit:
+def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: pa.Schema, metadata: dict, rows: int,
+                  batch_id: int, where: str, table: DeltaTable | None,
+                  tables: TableCache | None) -> tuple[BatchCommit, list[str]]:
     """Merge or upsert mode: the batch's rows, read back on the driver, in one Delta merge (an upsert's into
-    the kept ``table``); a merge-mode batch of more than :data:`MERGE_CHUNK_ROWS` rows in chunks."""
+    the kept ``table``, committed by the sink itself when ``tables`` and the table allow it,
+    :mod:`isbflow.sinks.delta_upsert`); a merge-mode batch of more than :data:`MERGE_CHUNK_ROWS` rows in
+    chunks. With the paths of the batch's files the commit holds (a merge through delta-rs: none)."""
     if options.mode == "merge" and not options.version_column and rows > MERGE_CHUNK_ROWS:
-        return _commit_merge_chunks(options, actions, schema, metadata, rows, batch_id)
+        return _commit_merge_chunks(options, actions, schema, metadata, rows, batch_id), []
     batch = read_batch_files(options, actions, schema)
-    superseded = 0
+    superseded, paths = 0, []
     if options.version_column:
         batch, superseded = latest_per_key(batch, options.merge_key, options.version_column,
                                            where=where)
     if options.mode == "upsert":
-        up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
-                          metadata=metadata, partition_by=options.partition_by, delta=table)
+        def note(adds: list[AddAction]) -> None:
+            paths[:] = [a.path for a in adds]
+            _note_committing(options, batch_id, adds)
+
+        own = tables is not None and table is not None
+        up = own_upsert(options, tables, table, batch, batch_id, metadata, note) if own else None
+        if up is None:  # through delta-rs; after a lost commit (noted files: another writer took the
+            lost = bool(paths)  # version) the table is loaded anew and the sink's files are not the table's
+            if lost:
+                paths.clear()
+                tables.forget()
+            up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
+                              metadata=metadata, partition_by=options.partition_by, delta=None if lost else table)
         written, version = up.updated + up.inserted, up.version
     else:
         merged = merge_insert_missing(options.path, batch, key=options.merge_key, app_id=options.app_id,
                                       version=batch_id, metadata=metadata, partition_by=options.partition_by)
         written, version = merged.inserted, merged.version
     dropped = superseded if options.mode == "upsert" else rows - written
-    return BatchCommit(batch_id, version, 0, written, dropped=dropped)
+    return BatchCommit(batch_id, version, 0, written, dropped=dropped), paths
 
 
 def _ledger_says_all_new(options: DeltaSinkOptions, table: DeltaTable | None, offsets: dict, rows: int) -> bool:

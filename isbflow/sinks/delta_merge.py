@@ -237,6 +237,29 @@ class UpsertResult:
     inserted: int
 
 
+def upsert_keys(path: str, table: pa.Table, key: str | Iterable[str]) -> list[str]:
+    """The key columns of an upsert of ``table`` into ``path``, once each of its keys is held by one row."""
+    keys = _keys(path, table, key, "upsert into")
+    if table.num_rows:
+        distinct = _distinct_keys(table, keys).num_rows
+        if distinct != table.num_rows:
+            raise DeltaSinkError(
+                f"upsert into {path}: {table.num_rows - distinct} row(s) repeat a key {keys} of an "
+                "earlier row; give the sink a versionColumn so the latest version wins")
+    return keys
+
+
+def conform(delta: DeltaTable, table: pa.Table, where: str) -> pa.Table:
+    """``table`` in the Delta types and, when it has the same columns, in ``delta``'s column order;
+    :class:`DeltaSchemaMismatch` unless its columns and types are then the table's."""
+    table = table.cast(delta_arrow_schema(table.schema))
+    names = [f.name for f in delta.schema().fields]
+    if sorted(names) == sorted(table.column_names):
+        table = table.select(names)  # the table's column order; types are checked next
+    check_schema(delta, table.schema, where)
+    return table
+
+
 def merge_upsert(
     path: str,
     table: pa.Table,
@@ -259,25 +282,16 @@ def merge_upsert(
     again after it, each load listing the whole log (``bench/delta_log.py``: an upsert into a
     table of 10,000 log entries 57 ms of CPU with the loads, 38 with a kept table).
     """
-    keys = _keys(path, table, key, "upsert into")
-    if table.num_rows:
-        distinct = _distinct_keys(table, keys).num_rows
-        if distinct != table.num_rows:
-            raise DeltaSinkError(
-                f"upsert into {path}: {table.num_rows - distinct} row(s) repeat a key {keys} of an "
-                "earlier row; give the sink a versionColumn so the latest version wins")
+    keys = upsert_keys(path, table, key)
     kept = delta is not None
     delta = delta if kept else open_table(path)
     props = _merge_props(delta, metadata, operation, keys, app_id, version)
-    table = table.cast(delta_arrow_schema(table.schema))
     if delta is None:
+        table = table.cast(delta_arrow_schema(table.schema))
         write_deltalake(path, table, mode="append", commit_properties=props,
                         partition_by=list(partition_by) or None, configuration=TABLE_CONFIGURATION)
         return UpsertResult(load_table(path).version(), 0, table.num_rows)
-    names = [f.name for f in delta.schema().fields]
-    if sorted(names) == sorted(table.column_names):
-        table = table.select(names)  # the table's column order; types are checked next
-    check_schema(delta, table.schema, f"upsert into {path}")
+    table = conform(delta, table, f"upsert into {path}")
     metrics = (
         delta.merge(table, predicate=key_predicate(keys), source_alias="s", target_alias="t",
                     commit_properties=props)

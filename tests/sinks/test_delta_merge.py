@@ -71,10 +71,12 @@ def table_counts(path: Path) -> dict[tuple[int, str | None], int]:
 
 
 def task_files(path: Path) -> list[str]:
-    """Parquet files the sink's Spark tasks wrote (``part-<batch>-<task>-<app>-<uuid>``): in upsert
-    mode the driver merges their rows and removes them (delta-rs writes its own files)."""
+    """Parquet files the sink's Spark tasks wrote (``part-<batch>-<task>-<app>-<uuid>``) that the table
+    does not hold: in upsert mode the driver merges their rows and removes them (the merge writes its
+    own files: delta-rs', or the sink's under the same kind of name, isbflow.sinks.delta_upsert)."""
+    held = {Path(u).name for u in DeltaTable(str(path)).file_uris()}
     return sorted(p.name for p in path.rglob("*.parquet")
-                  if re.match(r"^part-\d+-\d+-[0-9a-f]{8}-[0-9a-f]{32}\.parquet$", p.name))
+                  if re.match(r"^part-\d+-\d+-[0-9a-f]{8}-[0-9a-f]{32}\.parquet$", p.name) and p.name not in held)
 
 
 # ----------------------------------------------------------------------------- the sink
