@@ -1,7 +1,8 @@
-"""Cost benchmark (issue #15): what the demo pipeline costs at the rates people run, against two floors.
+"""Cost benchmark (issue #15): what the demo pipeline costs at the rates people run, against its floors.
 
     python bench/cost.py [--quick] [--rates 100,1000,10000] [--window 120] [--warmup 30] [--settle 420]
-                         [--trigger '1 second'] [--idle 60] [--idle-quiet 30] [--curve 0.2,1,5] [--out bench/results/cost.json]
+                         [--trigger '1 second'] [--idle 60] [--idle-quiet 30] [--curve 0.2,1,5]
+                         [--floors rate,python,python_io] [--out bench/results/cost.json]
 
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end) and
 ``pipelines/logs.yaml`` (every step) as a detached driver, launched like ``isbflow pipeline
@@ -32,10 +33,12 @@ producer paused, 30 s (``--idle-quiet``) for the last events to pass and the run
 the tree's ``cores`` and PSS with nothing to do, against the issue's 3% of a core.
 
 Then, in a child process (its own SparkSession, :func:`isbflow.steps.session.spark_session`
-as the driver has), the two floors at each rate: as many queries as the demo has, each reading
-the rate (Spark's built-in ``rate`` source, ``rowsPerSecond``; and :class:`CounterSource`, a
-trivial Python ``DataSourceStreamReader`` in ``bench/cost_floors.py``: one partition, rows from a counter) into ``noop``
-with the same trigger; the same figures from the child's tree (its micro-batches from each
+as the driver has), the floors at each rate (``--floors``): as many queries as the demo has, each reading
+the rate with the same trigger: Spark's built-in ``rate`` source (``rowsPerSecond``) into ``noop``
+(``rate``); :class:`CounterSource`, a trivial Python ``DataSourceStreamReader`` in
+``bench/cost_floors.py`` (one partition, rows from a counter), into ``noop`` (``python``) and into
+:class:`NullSink`, a trivial Python streaming sink (``python_io``: every query of the demo reads and
+writes through Python, so this is the least such a query costs); the same figures from the child's tree (its micro-batches from each
 query's progress) and Spark's per-batch ``durationMs`` summed per phase. ``ratios``: the demo's
 CPU per micro-batch over each floor's. ``--curve`` runs the demo again at 100 events/s
 (``--curve-rate``) for each trigger interval (seconds), relaunching the driver each time.
@@ -70,6 +73,8 @@ from _common import log  # noqa: E402
 from soak import batches_per_query, cpu_seconds, tree_cpu_seconds  # noqa: E402
 
 SPEC = ROOT / "pipelines" / "logs.yaml"
+#: the floors ``--floors`` chooses from (``bench/cost_floors.py``'s ``FORMATS``)
+FLOOR_KINDS = ("rate", "python", "python_io")
 GIB = 1 << 30
 KEPT_UP = 0.9
 #: seconds the pipeline may take to commit a first batch in every query (Spark's start on a loaded machine)
@@ -404,13 +409,15 @@ def spec_trigger_s() -> float:
 
 
 def run_floors(args, queries: int) -> dict:
-    cfg = {"rates": args.rates, "queries": queries, "trigger": spark_trigger(args.trigger or spec_trigger_s()),
+    cfg = {"rates": args.rates, "queries": queries, "kinds": args.floors,
+           "trigger": spark_trigger(args.trigger or spec_trigger_s()),
            "warmup": args.warmup, "settle": args.settle,
            "window": args.window, "sample_every": args.sample_every}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
         proc = subprocess.run([sys.executable, __file__, "--floors-child", json.dumps(cfg), "--out", f.name],
-                              env=env, cwd=ROOT, timeout=STARTUP_S + 2 * args.settle + len(args.rates) * 2 * (args.window + 120))
+                              env=env, cwd=ROOT, timeout=STARTUP_S + len(args.floors) * (
+                                  args.settle + len(args.rates) * (args.window + 120)))
         if proc.returncode:
             raise RuntimeError(f"the floors' child failed ({proc.returncode})")
         return json.loads(Path(f.name).read_text())
@@ -439,15 +446,20 @@ def verdict(name: str, value, bound: float, op: str = "<=") -> dict:
 
 def figures(result: dict, floors: dict, trigger_s: float, cores: int) -> None:
     for r in result["rates"]:
-        r["floor_rate"], r["floor_python"] = floors[str(r["rate"])]["rate"], floors[str(r["rate"])]["python"]
+        kinds = list(floors[str(r["rate"])])
+        for kind in kinds:
+            r[f"floor_{kind}"] = floors[str(r["rate"])][kind]
         d = r["demo"]
 
         def ratio(floor: dict, key: str, d=d) -> float | None:
             return round(d[key] / floor[key], 2) if d[key] and floor.get(key) else None
 
         r["ratios"] = {f"{key}_over_{kind}": ratio(r[f"floor_{kind}"], key)
-                       for key in ("cpu_ms_per_batch", "cores", "pss_mean_bytes") for kind in ("rate", "python")}
-        t = [verdict("CPU per micro-batch / Python source floor", r["ratios"]["cpu_ms_per_batch_over_python"], 1.5)]
+                       for key in ("cpu_ms_per_batch", "cores", "pss_mean_bytes") for kind in kinds}
+        if "python" in kinds and "python_io" in kinds:  # what a Python sink adds to the least a query costs
+            io, src = r["floor_python_io"]["cpu_ms_per_batch"], r["floor_python"]["cpu_ms_per_batch"]
+            r["ratios"]["python_io_floor_over_python_floor"] = round(io / src, 2) if io and src else None
+        t = [verdict("CPU per micro-batch / Python source floor", r["ratios"].get("cpu_ms_per_batch_over_python"), 1.5)]
         if r["rate"] <= 100:
             t += [verdict("cores of the demo", d["cores"], 0.5),
                   verdict("end-to-end p50 (s)", d["latency_p50_s"], 5.0),
@@ -459,19 +471,22 @@ def figures(result: dict, floors: dict, trigger_s: float, cores: int) -> None:
 
 
 def print_table(r: dict) -> None:
-    print(f"\n{'rate':>6} {'who':<8} {'cores':>6} {'CPU s/1k ev':>11} {'ms/batch':>9} {'batches':>7} "
+    print(f"\n{'rate':>6} {'who':<9} {'cores':>6} {'CPU s/1k ev':>11} {'ms/batch':>9} {'batches':>7} "
           f"{'PSS mean/peak MiB':>18} {'p50/p99 s':>12} {'load':>5}")
     for x in r["rates"]:
-        for who in ("demo", "floor_rate", "floor_python"):
+        for who in ("demo", "floor_rate", "floor_python", "floor_python_io"):
             w = x.get(who)
             if not w:
                 continue
             lat = f"{w['latency_p50_s']:.2f}/{w['latency_p99_s']:.2f}" if w.get("latency_p50_s") is not None else ""
-            print(f"{x['rate']:>6g} {who:<8.8} {w['cores']:>6} {w['cpu_s_per_1000_events'] or 0:>11} "
+            print(f"{x['rate']:>6g} {who.removeprefix('floor_'):<9.9} {w['cores']:>6} {w['cpu_s_per_1000_events'] or 0:>11} "
                   f"{w['cpu_ms_per_batch'] or 0:>9} {w['batches']:>7} "
                   f"{w['pss_mean_bytes'] >> 20:>8}/{w['pss_peak_bytes'] >> 20:<9} {lat:>12} {w['load_average_mean']:>5}")
         for t in x.get("targets", []):
             print(f"       {t['target']}: {t['value']} ({t['bound']}) {t['verdict']}")
+        for k, v in x.get("ratios", {}).items():
+            if k.startswith(("cpu_ms_per_batch_over", "python_io")):
+                print(f"       {k}: {v}")
     if r.get("idle"):
         i = r["idle"]
         print(f"idle: {i['cores']} cores, PSS mean {i['pss_mean_bytes'] >> 20} MiB; "
@@ -502,6 +517,11 @@ def main() -> None:
     ap.add_argument("--curve", default="", help="trigger intervals in seconds for the curve, e.g. 0.2,1,5")
     ap.add_argument("--curve-rate", type=float, default=100.0)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors")
+    ap.add_argument("--floors", help="the floors to measure, comma-separated, of rate (Spark's rate source -> noop), "
+                                     "python (a trivial Python source -> noop) and python_io (the trivial Python source "
+                                     "-> a trivial Python sink: the least a query that reads and writes through "
+                                     "Python data sources costs, as every query of the demo does); default all "
+                                     "three, quick rate,python")
     ap.add_argument("--profile", type=float, default=0.0,
                     help="seconds of py-spy after each window; the driver logs every query's progress (INFO) for "
                          "Spark's durationMs per phase, which costs CPU itself: a run of its own")
@@ -519,12 +539,16 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (8.0 if args.quick else 30.0)
     args.settle = args.settle if args.settle is not None else (0.0 if args.quick else 420.0)
     args.curve = [float(x) for x in args.curve.split(",") if x]
+    args.floors = [x for x in (args.floors or ("rate,python" if args.quick else "rate,python,python_io")).split(",") if x]
+    unknown = sorted(set(args.floors) - set(FLOOR_KINDS))
+    if unknown:
+        ap.error(f"--floors: unknown floor(s) {', '.join(unknown)}; known: {', '.join(FLOOR_KINDS)}")
     args.idle = args.idle if args.idle is not None else (0.0 if args.quick else 60.0)
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": [], "curve": [],
                     "harness_cpu_s": {"drivers": 0.0},
                     "config": {k: getattr(args, k) for k in ("quick", "rates", "window", "warmup", "settle", "trigger", "curve", "idle",
-                                                             "curve_rate", "sample_every", "profile", "idle_quiet")}
+                                                             "curve_rate", "sample_every", "profile", "idle_quiet", "floors")}
                     | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]"}}
     floors = None
     try:

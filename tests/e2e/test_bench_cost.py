@@ -127,3 +127,30 @@ def _cmdline(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_the_python_io_floor_reads_and_writes_through_python(tmp_path):
+    """The ``python_io`` floor (``--floors``; not in ``--quick``): the trivial Python source into the
+    trivial Python sink, run by the floors' child as ``bench/cost.py`` runs it, two queries, a short
+    window. Every row the counter made reaches the sink's tasks (Spark counts them in), the sink's
+    Python workers ran (``daemons and workers`` in its split), and the figures are those of a window."""
+    out = tmp_path / "floors.json"
+    cfg = {"rates": [100.0], "queries": 2, "kinds": ["python_io"], "trigger": "1 second", "warmup": 1.0,
+           "settle": 0.0, "window": 6.0, "sample_every": 1.0}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cost.py"), "--floors-child", json.dumps(cfg),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert set(r["100.0"]) == {"python_io"}, r
+    w = r["100.0"]["python_io"]
+    check_window(w, "python_io")
+    assert w["restarts"] == 0 and w["rows_per_query_per_s"] > 50, w
+    assert "python.PythonTable" in w["sink"], w["sink"]  # a Python data source sink, not noop
+    assert w["duration_ms_per_batch"].get("addBatch", 0) > 0, w
+    assert w["where_cpu_goes"]["process_ms_per_batch"].get("daemons and workers", 0) > 0, w["where_cpu_goes"]
+
+
+def test_the_floors_are_named_on_the_command_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cost.py"), "--floors", "rate,pyhton"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "unknown floor(s) pyhton" in proc.stderr, proc.stderr[-2000:]
