@@ -11,7 +11,7 @@ of no files (a ``commitInfo`` each, as a real log's old commits are to a reader 
 checkpoint) and a checkpoint at the last, then ``--batches`` micro-batches timed.
 
 Modes: ``append`` (the raw and errors sinks: written-through files committed as they are) and
-``upsert`` (the agg sink: a delta-rs merge on its keys). ``--active-files``: append points whose
+``upsert`` (the agg sink: its keys' rows replaced, :mod:`isbflow.sinks.delta_upsert`). ``--active-files``: append points whose
 table holds that many more files (what a sink adds between two compactions).
 
     .venv/bin/python bench/delta_log.py                   # N = 100, 10,000, 50,000, 140,000; 20,000 files
