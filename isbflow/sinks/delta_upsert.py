@@ -79,13 +79,11 @@ def own_upsert(options: DeltaSinkOptions, tables: TableCache, delta: DeltaTable,
     if target is None:
         return None
     parts, file_of = target
-    fills = {k: _fill(batch.column(k), parts.column(k)) for k in keys}
-    tk = _match_table(parts, keys, fills).append_column("__i", pa.array(np.arange(parts.num_rows)))
-    bk = _match_table(batch, keys, fills)
-    on = bk.column_names
-    hit = tk.join(bk, keys=on, join_type="left semi").column("__i").to_numpy()
+    try:
+        hit, inserted = _matches(parts, batch, keys)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+        return None  # a key type pyarrow cannot compare or join on: delta-rs merges it
     updated = len(hit)
-    inserted = batch.num_rows - bk.join(tk.select(on), keys=on, join_type="left semi").num_rows
     matched = np.zeros(parts.num_rows, dtype=bool)
     matched[hit] = True
     touched = np.unique(file_of[hit])
@@ -111,6 +109,17 @@ def own_upsert(options: DeltaSinkOptions, tables: TableCache, delta: DeltaTable,
                                             "operationMetrics": metrics},
                             options.app_id, batch_id, _parameters(keys), operation="MERGE", stats=stats)
     return None if version is None else UpsertResult(version, updated, inserted)
+
+
+def _matches(parts: pa.Table, batch: pa.Table, keys: list[str]) -> tuple[np.ndarray, int]:
+    """The rows of ``parts`` whose key ``batch`` holds (their indices), and the batch's rows whose key
+    ``parts`` does not hold (the inserted)."""
+    fills = {k: _fill(batch.column(k), parts.column(k)) for k in keys}
+    tk = _match_table(parts, keys, fills).append_column("__i", pa.array(np.arange(parts.num_rows)))
+    bk = _match_table(batch, keys, fills)
+    on = bk.column_names
+    hit = tk.join(bk, keys=on, join_type="left semi").column("__i").to_numpy()
+    return hit, batch.num_rows - bk.join(tk.select(on), keys=on, join_type="left semi").num_rows
 
 
 def _parameters(keys: list[str]) -> dict[str, str]:

@@ -195,3 +195,19 @@ def test_a_partitioned_upsert_sink_merges_through_delta_rs(tmp_path):
         commit(opts, BATCHES[b].filter(pa.compute.is_valid(BATCHES[b].column("service"))), b, tables)
     assert all(e.startswith("delta-rs") for _, e in engines(path)), engines(path)
     assert len(content(path)) == 7
+
+
+def test_keys_pyarrow_cannot_join_on_merge_through_delta_rs(tmp_path, monkeypatch):
+    """A key type the sink's hash join does not take (pyarrow raises): the batch merges through
+    delta-rs instead of failing the step."""
+    def cannot(*a, **k):
+        raise pa.ArrowNotImplementedError("hash join on this key type")
+
+    monkeypatch.setattr(delta_upsert, "_match_table", cannot)
+    path = tmp_path / "t"
+    opts, tables = options(path), TableCache(str(path))
+    for b in range(3):
+        commit(opts, BATCHES[b], b, tables)
+    assert all(e.startswith("delta-rs") for _, e in engines(path)), engines(path)
+    assert len(content(path)) == 9
+    assert not [p for p in parquet_files(path) if f"-{delta_upsert.UPSERT_TASK}-" in p]
