@@ -163,9 +163,9 @@ class TableCache:
         self._ahead: list[tuple[str, int]] = []
         #: :func:`appends_plainly` of the kept table, at the version it was asked
         self._plain: tuple[int, bool] | None = None
-        #: the active files at the kept version and after the commits :meth:`commit` made since, with
-        #: their stats (:meth:`files`); ``None`` until asked, and again when the table moved otherwise
-        self._files: dict[str, FileStats] | None = None
+        #: the active files with their stats (:meth:`files`) and the version they are the files of
+        #: (the kept table's, then each :meth:`commit`'s); ``None`` until asked
+        self._files: tuple[int, dict[str, FileStats]] | None = None
 
     def get(self) -> DeltaTable | None:
         self._ahead.clear()
@@ -204,6 +204,11 @@ class TableCache:
         txn = next((v for a, v in reversed(self._ahead) if a == app_id), None)
         return table, version, txn if txn is not None else table.transaction_version(app_id)
 
+    def ahead(self) -> int:
+        """How many versions :meth:`commit` wrote past the kept table (which delta-rs must not commit
+        on until :meth:`get` reads it forward)."""
+        return len(self._ahead)
+
     def plain(self) -> bool:
         """:func:`appends_plainly` of the kept table (asked once a version); ``False`` without one."""
         table = self._table
@@ -217,12 +222,15 @@ class TableCache:
         """The table's active files with their stats, from the kept table (read forward first when
         commits were made since that did not say what they added) and the commits :meth:`commit`
         made since; the caller must not change it."""
-        if self._files is None:
-            table = self.get() if self._ahead else self._table
+        table = self._table
+        latest = None if table is None else table.version() + len(self._ahead)
+        if self._files is None or self._files[0] != latest:  # built for another version: a delta-rs
+            if self._ahead:                                    # commit moved the kept table since
+                table = self.get()
             if table is None:
                 raise TableNotFoundError(f"no Delta table at {self.path}")
-            self._files = file_stats(table)
-        return self._files
+            self._files = (table.version(), file_stats(table))
+        return self._files[1]
 
     def append(self, actions: Sequence[AddAction], metadata: Mapping[str, Any], app_id: str, txn_version: int,
                partition_by: Sequence[str]) -> int | None:
@@ -265,12 +273,11 @@ class TableCache:
             (root / commit_file(version)).unlink(missing_ok=True)  # file lies below the checkpoint, unread
             return None
         self._ahead.append((app_id, txn_version))
-        if self._files is not None and stats is not None:
+        if self._files is not None and stats is not None and self._files[0] == version - 1:
             for path, _ in removes:
-                self._files.pop(path, None)
-            self._files.update(stats)
-        elif self._files is not None:
-            self._files = None
+                self._files[1].pop(path, None)
+            self._files[1].update(stats)
+            self._files = (version, self._files[1])
         if version % checkpoint_interval(self._table) == 0:
             self._checkpoint()
         return version

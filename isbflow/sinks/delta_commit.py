@@ -345,13 +345,12 @@ def _commit_merge(options: DeltaSinkOptions, actions: list[AddAction], schema: p
 
         own = tables is not None and table is not None
         up = own_upsert(options, tables, table, batch, batch_id, metadata, note) if own else None
-        if up is None:  # through delta-rs; after a lost commit (noted files: another writer took the
-            lost = bool(paths)  # version) the table is loaded anew and the sink's files are not the table's
-            if lost:
-                paths.clear()
-                tables.forget()
+        if up is None:  # through delta-rs, on the table read forward when another writer took the version
+            if own and (paths or tables.ahead()):  # (the sink's noted files are not the table's) or the
+                paths.clear()                      # sink's own commits are ahead of the kept table
+                table = tables.get()
             up = merge_upsert(options.path, batch, key=options.merge_key, app_id=options.app_id, version=batch_id,
-                              metadata=metadata, partition_by=options.partition_by, delta=None if lost else table)
+                              metadata=metadata, partition_by=options.partition_by, delta=table)
         written, version = up.updated + up.inserted, up.version
     else:
         merged = merge_insert_missing(options.path, batch, key=options.merge_key, app_id=options.app_id,

@@ -211,3 +211,34 @@ def test_keys_pyarrow_cannot_join_on_merge_through_delta_rs(tmp_path, monkeypatc
     assert all(e.startswith("delta-rs") for _, e in engines(path)), engines(path)
     assert len(content(path)) == 9
     assert not [p for p in parquet_files(path) if f"-{delta_upsert.UPSERT_TASK}-" in p]
+
+
+@pytest.mark.parametrize("fallback", [1, 2])
+def test_a_batch_merged_through_delta_rs_in_between_leaves_the_next_own_upsert_right(tmp_path, monkeypatch,
+                                                                                     fallback):
+    """The sink's own upsert gives up after it listed the table's files (here: a file it cannot read as
+    the table's columns) and batch ``fallback`` merges through delta-rs. Batch 1: the merge moves the
+    kept table, and the next batch's own upsert must start from the files of that version, not the
+    listing before (fails without TableCache.files' version check). Batch 2: the sink's own commit of
+    batch 1 is ahead of the kept table, which delta-rs must not commit on unread (it failed with "a
+    concurrent transaction added new data")."""
+    real, calls = delta_upsert._read, []
+
+    def unreadable_once(root, paths, schema):
+        calls.append(paths)
+        return None if len(calls) == fallback else real(root, paths, schema)
+
+    monkeypatch.setattr(delta_upsert, "_read", unreadable_once)
+    path = tmp_path / "t"
+    opts, tables = options(path), TableCache(str(path))
+    for b, t in enumerate(BATCHES):
+        commit(opts, t, b, tables)
+    kinds = [e.startswith("delta-rs") for _, e in engines(path)]
+    assert kinds == [True] + [b == fallback for b in range(1, len(BATCHES))], engines(path)
+    want = tmp_path / "want"
+    with monkeypatch.context() as m:
+        m.setattr(delta_commit, "own_upsert", lambda *a, **k: None)
+        wopts, wtables = options(want), TableCache(str(want))
+        for b, t in enumerate(BATCHES):
+            commit(wopts, t, b, wtables)
+    assert content(path) == content(want)
