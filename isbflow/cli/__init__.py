@@ -13,7 +13,6 @@ import typer
 
 from isbflow.cli import nats as nats_cli
 from isbflow.cli.common import JsonOut, console, err_console, fail, print_json
-from isbflow.spec import SpecError, load_specs
 
 app = typer.Typer(
     name="isbflow",
@@ -34,6 +33,9 @@ def validate(
 
     FILE: path.to.field: what is wrong
     """
+    # lazy: the spec's models load pydantic and yaml (~0.4 s), which 'isbflow --help' must not pay for
+    from isbflow.spec import SpecError, load_specs
+
     try:
         specs = load_specs(file)
     except SpecError as e:

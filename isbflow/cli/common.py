@@ -11,20 +11,18 @@ import json
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
-from isbflow.ops.connection import (
-    READER,
-    IsbUnreachable,
-    NatsSettings,
-    default_data_dir,
-    resolve_settings,
-)
-from isbflow.ops.isb import granted
-from isbflow.spec import SpecError, Specs, load_specs
+if TYPE_CHECKING:
+    from isbflow.ops.connection import NatsSettings
+    from isbflow.spec import Specs
+
+# The layers below (the spec's models, the ops verbs and the NATS client they load) are imported by
+# the helpers that use them, not here: every command module imports this one, and 'isbflow --help'
+# must not pay for them (tests/cli/test_startup.py).
 
 T = TypeVar("T")
 
@@ -59,6 +57,10 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def load_or_exit(files: list[Path]) -> Specs:
+    """Load the spec files, or exit 2 with one line per problem."""
+    # lazy: the spec's models load pydantic and yaml (~0.4 s), which 'isbflow --help' must not pay for
+    from isbflow.spec import SpecError, load_specs
+
     if not files:
         fail("no spec given: pass one with -f FILE", 2)
     try:
@@ -78,6 +80,10 @@ def pipeline_or_exit(files: list[Path], pipeline: str | None):
 
 
 def data_dir_or_default(data_dir: Path | None) -> Path:
+    """``--data-dir`` when given, else isbflow's default (``ISBFLOW_HOME``, else ``./.isbflow``)."""
+    # lazy: ops.connection loads the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops.connection import default_data_dir
+
     return data_dir if data_dir is not None else default_data_dir()
 
 
@@ -85,6 +91,9 @@ def settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: Specs |
                      pipeline: str | None = None, role: str | None = None) -> NatsSettings:
     """The settings of the ISB service (``role``: the embedded server's user to log in as,
     :mod:`isbflow.isb.roles`; default the admin), or exit 1 saying why there are none."""
+    # lazy: ops.connection loads the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops.connection import IsbUnreachable, resolve_settings
+
     service = None
     if specs is not None:
         if specs.pipelines:
@@ -102,12 +111,19 @@ def reader_settings_or_exit(nats_url: str | None, data_dir: Path | None, specs: 
     """Settings for a command that only reads ``pipeline``'s state: the embedded server's read-only
     ``reader`` user once the pipeline is granted (provisioned by isbflow), else the admin's (a
     pipeline provisioned by other means has no grants to read with)."""
+    # lazy: ops.connection and ops.isb load the NATS client and the provisioning code
+    from isbflow.ops.connection import READER
+    from isbflow.ops.isb import granted
+
     dd = data_dir_or_default(data_dir)
     return settings_or_exit(nats_url, data_dir, specs, pipeline, role=READER if granted(dd, pipeline) else None)
 
 
 def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call an ops verb; an unreachable ISB service becomes one line and exit 1."""
+    # lazy: ops.connection loads the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops.connection import IsbUnreachable
+
     try:
         return fn(*args, **kwargs)
     except IsbUnreachable as e:
@@ -116,6 +132,9 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; an unreachable ISB service becomes one line and exit 1."""
+    # lazy: ops.connection loads the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops.connection import IsbUnreachable
+
     try:
         return asyncio.run(coro)
     except IsbUnreachable as e:

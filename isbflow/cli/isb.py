@@ -9,7 +9,7 @@ found drift (like ``terraform plan -detailed-exitcode``).
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -28,9 +28,11 @@ from isbflow.cli.common import (
     print_json,
     settings_or_exit,
 )
-from isbflow.ops import isb as ops_isb
-from isbflow.ops.connection import NatsSettings
-from isbflow.spec import SpecError, Specs
+
+if TYPE_CHECKING:
+    from isbflow.ops import isb as ops_isb
+    from isbflow.ops.connection import NatsSettings
+    from isbflow.spec import Specs
 
 DRIFT_EXIT = 3
 
@@ -52,6 +54,9 @@ def _table(names: list[str], *columns: str) -> Table:
 
 
 def _open(files, nats_url, data_dir, pipeline) -> tuple[Specs, str, NatsSettings]:
+    # lazy: the spec's models load pydantic and yaml, which 'isbflow --help' must not pay for
+    from isbflow.spec import SpecError
+
     specs = load_or_exit(files)
     try:
         name = specs.select(pipeline).name
@@ -105,6 +110,9 @@ def apply(
 
       isbflow isb apply -f pipelines/logs.yaml --nats-url nats://127.0.0.1:4222 --json
     """
+    # lazy: ops.isb loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops import isb as ops_isb
+
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     try:
         report = call(ops_isb.apply, settings, specs, name, recreate=recreate, force=force,
@@ -165,6 +173,9 @@ def diff(
 
       isbflow isb diff -f pipelines/logs.yaml --json || [ $? -eq 3 ] && echo "drift"
     """
+    # lazy: ops.isb loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops import isb as ops_isb
+
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     drifts = call(ops_isb.diff, settings, specs, name, data_dir=data_dir_or_default(data_dir))
     if json_out:
@@ -208,6 +219,9 @@ def status(
 
     Example: isbflow isb status -f pipelines/logs.yaml
     """
+    # lazy: ops.isb loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops import isb as ops_isb
+
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     statuses = call(ops_isb.status, settings, specs, name)
     if json_out:
@@ -246,6 +260,9 @@ def delete(
 
     Example: isbflow isb delete -f pipelines/logs.yaml --yes
     """
+    # lazy: ops.isb loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops import isb as ops_isb
+
     specs, name, settings = _open(file, nats_url, data_dir, pipeline)
     if not yes:
         if sys.stdin is None or not sys.stdin.isatty():

