@@ -410,6 +410,7 @@ def test_hostile_frames_are_dead_lettered_counted_and_the_step_reads_on(spark, n
     from isbflow.connector.source import JetStreamDataSource
     from isbflow.isb import dlq, frames
     from isbflow.isb.errors import BufferReadError
+    from tests.helpers.crafted_frames import null_column_bomb, short_buffers
 
     settings = nats_server.settings
     pipe, vertex, stream = "hp", "parse", "isb-hp-in-parse-0"
@@ -425,6 +426,8 @@ def test_hostile_frames_are_dead_lettered_counted_and_the_step_reads_on(spark, n
         (_bomb(), {}),  # seq 4: declares 10 GiB decoded
         frame(900, 910, rows="many"),  # seq 5: its row header is not a number
         frame(910, 920, rows="11"),  # seq 6: its row header lies
+        (null_column_bomb(1_000_000, ("id", "msg")), {frames.HDR_ROWS: "1000000"}),  # seq 7: null columns
+        (short_buffers(_rows(920, 930), claim=1000), {frames.HDR_ROWS: "1000"}),  # seq 8: buffers too short
         frame(200, 300),
     ])
     options = {"streams": stream, "settings": settings_to_json(settings), "frameRows": "100",
@@ -439,12 +442,14 @@ def test_hostile_frames_are_dead_lettered_counted_and_the_step_reads_on(spark, n
 
     letters = asyncio.run(dlq.read_dead_letters(settings, pipe, vertex))
     by_seq = {letter["record"]["seq"]: letter for letter in letters}
-    assert sorted(by_seq) == [3, 4, 5, 6]
+    assert sorted(by_seq) == [3, 4, 5, 6, 7, 8]
     assert re.fullmatch(rf"frame 3 of buffer {stream} cannot be read at step {vertex}: not an Arrow IPC frame .*",
                         by_seq[3]["reason"])
     assert "declares 10737" in by_seq[4]["reason"] and "over the cap" in by_seq[4]["reason"]
     assert "Isb-Rows header 'many' is not a row count" in by_seq[5]["reason"]
     assert "it holds 10 rows, its Isb-Rows header says 11" in by_seq[6]["reason"]
+    assert "its column 'id' (null) is null-typed" in by_seq[7]["reason"]
+    assert "does not hold the 1000 records it declares" in by_seq[8]["reason"]
     assert by_seq[3]["record"]["stream"] == stream and by_seq[3]["record"]["bytes"] == 380
     assert by_seq[3]["step"] == vertex and by_seq[3]["size"] == 380
 
@@ -458,13 +463,13 @@ def test_hostile_frames_are_dead_lettered_counted_and_the_step_reads_on(spark, n
 
         return asyncio.run(go())
 
-    assert counted() == 4
+    assert counted() == 6
 
     # the same range read again (a batch read, as a retried task would): no second letter, no second count
     again = spark.read.format("jetstream").options(**options).schema(FRAME_SCHEMA).load()
     assert again.count() == 300
-    assert len(asyncio.run(dlq.read_dead_letters(settings, pipe, vertex))) == 4
-    assert counted() == 4
+    assert len(asyncio.run(dlq.read_dead_letters(settings, pipe, vertex))) == 6
+    assert counted() == 6
 
     # a reader that knows no pipeline step has nowhere to put a bad frame: it fails, naming it
     bare = {k: v for k, v in options.items() if k not in ("pipeline", "vertex")}

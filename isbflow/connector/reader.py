@@ -54,11 +54,13 @@ so reading a range twice gives the same rows; this is what makes Spark's
 checkpoint exactly-once. Nothing here acknowledges or deletes: space is released
 by :func:`isbflow.isb.release.release` after the *downstream* commit.
 
-Bad frames (frames mode): a message that is not a readable frame (not an Arrow
-IPC stream, an ``Isb-Rows`` header that is not its row count, or one that would
-decode past the cap of :func:`isbflow.isb.frames.read_frame`) does not stop the
-step. With the ``pipeline`` and ``vertex`` options set (the runner sets them),
-the task sends it to the dead-letter buffer (:mod:`isbflow.isb.dlq`) on
+Bad frames (frames mode): a message that is not a readable frame (any frame
+:func:`isbflow.isb.frames.read_frame` refuses: not an Arrow IPC stream, one that
+would decode past its cap, a column that takes no bytes per record, more
+records than its bytes can hold, buffers that fail full validation, an
+``Isb-Rows`` header that is not its row count) does not stop the step. With the
+``pipeline`` and ``vertex`` options set (the runner sets them), the task sends
+it to the dead-letter buffer (:mod:`isbflow.isb.dlq`) on
 ``dlq_subject(pipeline, vertex)`` with the reason, the stream, the sequence and
 the payload's first KiB (``Nats-Msg-Id`` ``<vertex>:frame:<stream>:<inc>:<seq>``, so a
 retried task adds no second letter), counts it in the status KV key

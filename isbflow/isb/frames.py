@@ -16,16 +16,41 @@ published beforehand under a frame's position (``step:batch:task:part:chunk``)
 but with other bytes has another id and cannot make JetStream drop the real
 frame as its duplicate.
 
-Contract of :func:`read_frame` (the reading side, which trusts no frame): the
-records of one frame, or :class:`BadFrame` saying why there are none: the bytes
-are not an Arrow IPC stream, the ``Isb-Rows`` header is not the frame's row
-count, or the frame would decode to more than ``MAX_DECODE_RATIO`` (64) times
-its own size (at least ``MIN_DECODE_CAP``, 1 MiB). The decoded size is what the
-IPC metadata and the compressed buffers' length prefixes declare, checked
-*before* anything is decompressed, so a small compressed frame cannot make a
-reader allocate gigabytes. Frames the writer makes are never compressed
-(decoded size = payload size), so the cap only ever refuses foreign frames;
-with ``max_payload`` at most 8 MiB no accepted frame decodes past 512 MiB.
+Contract of :func:`read_frame` (the reading side, which trusts no frame; every
+decode of a buffer's message goes through it): the records of one frame, or
+:class:`BadFrame` saying why there are none:
+
+- the bytes are not an Arrow IPC stream;
+- the frame would decode to more than ``MAX_DECODE_RATIO`` (64) times its own
+  size (at least ``MIN_DECODE_CAP``, 1 MiB). The decoded size is what the IPC
+  metadata and the compressed buffers' length prefixes declare, checked *before*
+  anything is decompressed, so a small compressed frame cannot make a reader
+  allocate gigabytes. Frames the writer makes are never compressed (decoded size
+  = payload size), so the cap only ever refuses foreign frames; with
+  ``max_payload`` at most 8 MiB no accepted frame decodes past 512 MiB;
+- a column of a type that takes no bytes per record (:func:`unbounded_type`:
+  null, run-end encoded, a struct without fields, a zero-width binary or list,
+  at any depth): nothing in the frame bounds how many records such a column
+  claims, and a 224-byte frame of one null column can claim 200 million, which
+  the cast to the step's schema then allocates;
+- more than ``MAX_ROWS_PER_BYTE`` (8) records per byte of payload. Every column
+  a frame may carry needs at least one bit per record (a boolean without nulls
+  is the densest; an all-null column of any other type has its validity bitmap
+  and its values), so a frame of ``n`` bytes honestly holds fewer than ``8 n``
+  records whatever its columns. Validation holds each column's records to its
+  buffers; the cap bounds the rest: a frame without columns, and a compressed
+  frame's records against its compressed size;
+- the batch fails ``RecordBatch.validate(full=True)``: a buffer shorter than
+  the records it must hold, offsets past their data, bad UTF-8, dictionary
+  indices out of range (unvalidated, such a frame reads past its buffers);
+- the ``Isb-Rows`` header is not the frame's row count.
+
+Full validation reads every byte once (measured: 0.8 ms for a 700 KB frame of
+10,000 string records, on top of 0.1 ms to open it).
+
+:func:`split_frames` (the writing side) refuses a batch with a column of an
+:func:`unbounded_type`, naming it: such frames would all be dead-lettered
+downstream, so the step fails where the column is made instead.
 """
 
 from __future__ import annotations
@@ -47,6 +72,8 @@ HEADER_ROOM = 1024
 MAX_DECODE_RATIO = 64
 #: ... or this many bytes, whichever is larger (tiny compressed frames).
 MIN_DECODE_CAP = 1 << 20
+#: A frame may hold at most this many records per byte of payload (a bit per record: module doc).
+MAX_ROWS_PER_BYTE = 8
 
 
 class BadFrame(ValueError):
@@ -106,12 +133,34 @@ def _packed(table: pa.Table) -> pa.Table:
 
 
 def decode(payload: bytes | memoryview) -> pa.Table:
-    """The records of one frame."""
-    return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
+    """The records of one frame as a table, checked as :func:`read_frame` checks them."""
+    schema, batches = _checked(payload, MAX_DECODE_RATIO)
+    return pa.Table.from_batches(batches, schema=schema)
 
 
-def decode_batches(payload: bytes | memoryview) -> list[pa.RecordBatch]:
-    return list(pa.ipc.open_stream(pa.py_buffer(payload)))
+def unbounded_type(t: pa.DataType) -> str | None:
+    """Why a column of type ``t`` may claim any number of records without a byte to back them
+    (None when it cannot): ``t`` or a type nested in it is null, run-end encoded, a struct without
+    fields, a zero-width fixed-size binary or a fixed-size list of size 0."""
+    if pa.types.is_null(t):
+        return "is null-typed"
+    if pa.types.is_run_end_encoded(t):
+        return "is run-end encoded"
+    if pa.types.is_struct(t) and t.num_fields == 0:
+        return "is a struct without fields"
+    if pa.types.is_fixed_size_binary(t) and t.byte_width == 0:
+        return "is a zero-width binary"
+    if pa.types.is_fixed_size_list(t) and t.list_size == 0:
+        return "is a fixed-size list of size 0"
+    if isinstance(t, pa.ExtensionType):
+        return unbounded_type(t.storage_type)
+    if isinstance(t, pa.DictionaryType):
+        return unbounded_type(t.value_type)
+    for i in range(t.num_fields):
+        why = unbounded_type(t.field(i).type)
+        if why is not None:
+            return f"holds a field that {why}"
+    return None
 
 
 # Arrow IPC metadata is a flatbuffer (format/Message.fbs); these read only what the size check needs:
@@ -207,21 +256,45 @@ def decoded_size(payload: bytes | memoryview) -> int:
         total += _batch_decoded_size(header, body)
 
 
-def read_frame(payload: bytes | memoryview, rows_header: str | None = None,
-               max_ratio: int = MAX_DECODE_RATIO) -> list[pa.RecordBatch]:
-    """The record batches of one frame from an untrusted source (module docstring states the checks);
-    ``rows_header`` is the message's ``Isb-Rows`` header when it has one."""
+def _checked(payload: bytes | memoryview, max_ratio: int) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The frame's schema and record batches, every check of :func:`read_frame` but the row header made."""
     cap = max(max_ratio * len(payload), MIN_DECODE_CAP)
     try:
         size = decoded_size(payload)
         if size > cap:
             raise BadFrame(f"the frame of {len(payload)} bytes declares {size} bytes once decoded, over "
                            f"the cap of {cap} ({max_ratio}x its size, at least {MIN_DECODE_CAP})")
-        batches = decode_batches(payload)
+        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        schema = reader.schema
+        batches = list(reader)
     except BadFrame:
         raise
     except (pa.ArrowException, ValueError, OSError, IndexError, struct.error) as e:
         raise BadFrame(f"not an Arrow IPC frame ({type(e).__name__}: {e})") from None
+    for f in schema:
+        why = unbounded_type(f.type)
+        if why is not None:
+            raise BadFrame(f"its column {f.name!r} ({f.type}) {why}: such a column needs no bytes per record, "
+                           "so nothing bounds the records it claims (a step never writes one)")
+    rows = sum(b.num_rows for b in batches)
+    if rows > MAX_ROWS_PER_BYTE * len(payload):
+        raise BadFrame(f"the frame of {len(payload)} bytes claims {rows} records, over the cap of "
+                       f"{MAX_ROWS_PER_BYTE * len(payload)} ({MAX_ROWS_PER_BYTE} per byte: a record takes at "
+                       "least a bit)")
+    for b in batches:
+        try:
+            b.validate(full=True)
+        except (pa.ArrowException, ValueError) as e:
+            raise BadFrame(f"its record batch does not hold the {b.num_rows} records it declares "
+                           f"({type(e).__name__}: {e})") from None
+    return schema, batches
+
+
+def read_frame(payload: bytes | memoryview, rows_header: str | None = None,
+               max_ratio: int = MAX_DECODE_RATIO) -> list[pa.RecordBatch]:
+    """The record batches of one frame from an untrusted source (module docstring states the checks);
+    ``rows_header`` is the message's ``Isb-Rows`` header when it has one."""
+    _, batches = _checked(payload, max_ratio)
     if rows_header is not None:
         try:
             declared = int(str(rows_header).strip())
@@ -235,7 +308,8 @@ def read_frame(payload: bytes | memoryview, rows_header: str | None = None,
 
 def split_frames(data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch], max_bytes: int,
                  max_rows: int = 10_000) -> Split:
-    """Cut ``data`` into frames of at most ``max_rows`` rows and ``max_bytes`` bytes."""
+    """Cut ``data`` into frames of at most ``max_rows`` rows and ``max_bytes`` bytes; a ``ValueError``
+    naming a column of an :func:`unbounded_type` (no reader would take its frames)."""
     if isinstance(data, pa.RecordBatch):
         table = pa.Table.from_batches([data])
     elif isinstance(data, pa.Table):
@@ -245,6 +319,12 @@ def split_frames(data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch], max
         if not batches:
             return Split()
         table = pa.Table.from_batches(batches)
+    for f in table.schema:
+        why = unbounded_type(f.type)
+        if why is not None:
+            raise ValueError(f"column {f.name!r} ({f.type}) {why}: no step reads a frame carrying it "
+                             "(isbflow.isb.frames.read_frame); give it a type, e.g. cast an untyped null "
+                             "literal: F.lit(None).cast('string')")
     out = Split()
     limit = max_bytes - HEADER_ROOM
     if limit <= 0:

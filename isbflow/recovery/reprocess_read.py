@@ -14,7 +14,10 @@ written.
 
 :func:`check_in_flight` refuses a range some record of which is still in an
 unconsumed frame of a region buffer: it would reach the sinks after their
-replacement.
+replacement. It reads each frame through :func:`isbflow.isb.frames.read_frame`;
+a frame that read refuses is logged and passed over: the step that consumes it
+dead-letters it (:mod:`isbflow.connector.reader`), so its records never reach
+a sink.
 """
 
 from __future__ import annotations
@@ -148,8 +151,14 @@ async def check_in_flight(nc, p: Pipeline, region: set[str], rng: ledger.Partiti
             continue
         hits = 0
         async for msgs in read_range(nc, ep.stream, first, sst.last_seq, on_gap=lambda a, b: None):
-            for _, data, _, _ in msgs:
-                for b in frames.decode_batches(data):
+            for seq, data, headers, _ in msgs:
+                try:
+                    batches = frames.read_frame(data, headers.get(frames.HDR_ROWS))
+                except frames.BadFrame as e:
+                    log.warning("frame %d of buffer %s cannot be read: %s; passed over (%s dead-letters it, "
+                                "its records never reach a sink)", seq, ep.stream, e, ep.to_vertex)
+                    continue
+                for b in batches:
                     if ledger.ID_COLUMN in b.schema.names:
                         hits += int(in_ranges(b.column(ledger.ID_COLUMN), rng).sum())
         if hits:
