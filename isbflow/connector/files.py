@@ -6,11 +6,31 @@ Usage (``spark.dataSource.register(FilesDataSource)`` once per session)::
         .option("path", "/data/landing/logs")      # absolute; visible to every executor
         .option("pattern", "*.jsonl")              # default
         .option("readMaxRows", "100000")           # default read limit per micro-batch
-        .load()                                    # value STRING, _isb_id STRING
+        .option("maxLineBytes", "1048576")         # default longest line read
+        .load()                                    # value STRING, _isb_id STRING, _isb_error STRING
 
 Each line is one event: ``value`` holds it for ``from_json`` (as the
 ``jetstream`` source's events mode does), ``_isb_id`` is
-``files/<file name>/<line number>`` (lines counted from 1).
+``files/<file name>/<line number>`` (lines counted from 1). ``_isb_error`` is
+null, or why the line cannot be an event: a line that is not UTF-8 (``value``
+holds it with the bad bytes as ``\\xNN``), or one longer than ``maxLineBytes``
+(never read whole: ``value`` holds its first bytes, at most 1 KiB). The source step sends such a
+line to the dead-letter buffer with that reason and reads on.
+
+The source reads only inside its folder, and only what was landed there:
+
+- only **regular files** directly in the folder are listed; a symlink, FIFO,
+  device or sub-folder is never opened (it is logged once and skipped);
+- a file is opened relative to the folder with ``O_NOFOLLOW | O_NONBLOCK`` and
+  checked to be a regular file once open, so a name swapped for a symlink or a
+  FIFO after it was listed fails the task (a landed file must not change)
+  rather than reading elsewhere or blocking;
+- reads are bounded: files are counted and read a buffer at a time, a line
+  longer than ``maxLineBytes`` is skipped to its end, and a task's Arrow batch
+  holds at most ``_BATCH_BYTES`` of values.
+
+Which folder a spec may name is :func:`landing_folder`'s rule: under the data
+dir, or under a folder of ``ISBFLOW_LANDING_DIRS``.
 
 The landing protocol (what makes the source replayable):
 
@@ -35,8 +55,11 @@ line numbers stay those an editor shows.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +75,24 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StringType, StructField, StructType
 
-FILES_SCHEMA = StructType([StructField("value", StringType()), StructField("_isb_id", StringType())])
-_ARROW_SCHEMA = pa.schema([("value", pa.string()), ("_isb_id", pa.string())])
+log = logging.getLogger(__name__)
+
+#: the column holding why a line cannot be an event (null for a good line): the source step's error column
+ERROR_COLUMN = "_isb_error"
+FILES_SCHEMA = StructType([StructField("value", StringType()), StructField("_isb_id", StringType()),
+                           StructField(ERROR_COLUMN, StringType())])
+_ARROW_SCHEMA = pa.schema([("value", pa.string()), ("_isb_id", pa.string()), (ERROR_COLUMN, pa.string())])
 DEFAULT_READ_MAX_ROWS = 100_000
 DEFAULT_ROWS_PER_PARTITION = 50_000
+#: the longest line read (bytes, without its newline); a longer one is dead-lettered, never read whole
+DEFAULT_MAX_LINE_BYTES = 1024 * 1024
 _ROWS_PER_BATCH = 50_000  # Arrow batch size yielded by read()
+_BATCH_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of values
+_READ_BUFFER = 1024 * 1024  # bytes read at a time
+_LONG_LINE_KEPT = 1024  # bytes of an over-long line kept in its value (at most maxLineBytes)
 ID_PREFIX = "files"
+#: more folders a files source may read from, besides the data dir (``os.pathsep``-separated)
+LANDING_DIRS_ENV = "ISBFLOW_LANDING_DIRS"
 
 
 class FilesSourceError(Exception):
@@ -91,6 +126,7 @@ class FileSegment(InputPartition):
     name: str
     lo: int
     hi: int
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
 
 
 def land(folder: str | os.PathLike, name: str, lines: Iterable[str | bytes]) -> Path:
@@ -106,17 +142,90 @@ def land(folder: str | os.PathLike, name: str, lines: Iterable[str | bytes]) -> 
     return final
 
 
-def _split_lines(data: bytes) -> list[bytes]:
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the terminating newline, not an empty last line
-    return lines
+def landing_folder(path: str, data_dir: str | os.PathLike) -> Path:
+    """The folder a files source with spec ``path`` reads: a relative path under ``data_dir``; an
+    absolute one only when it lies (symlinks resolved) under the data dir or a folder of
+    ``ISBFLOW_LANDING_DIRS``. :class:`FilesSourceError` naming the field otherwise: a spec must not
+    read a folder of this host that nobody set aside for landing files."""
+    folder = Path(path) if os.path.isabs(path) else Path(data_dir) / path
+    roots = [Path(data_dir)] + [Path(r) for r in os.environ.get(LANDING_DIRS_ENV, "").split(os.pathsep) if r]
+    real = os.path.realpath(folder)
+    for root in roots:
+        top = os.path.realpath(root)
+        if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+            return folder
+    allowed = ", ".join(str(r) for r in roots)
+    raise FilesSourceError(
+        f"source.files.path {path!r} is outside the folders a files source may read ({allowed}): land the "
+        f"files under the data dir (a relative path), or add their folder to {LANDING_DIRS_ENV}")
+
+
+def _not_regular(path: str, st: os.stat_result) -> FilesSourceError:
+    kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+            else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+    return FilesSourceError(f"isb-files: {path} is {kind}, not a regular file: only files landed in the "
+                            "folder are read (write NAME.tmp and rename it when complete)")
+
+
+def open_landed(folder: str | os.PathLike, name: str) -> int:
+    """A read-only fd of the regular file ``name`` directly in ``folder``: opened relative to the folder
+    with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is refused, a FIFO never blocks) and checked with
+    ``fstat``. :class:`FilesSourceError` for a symlink or anything but a regular file;
+    ``FileNotFoundError`` when it is gone."""
+    path = os.path.join(folder, name)
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise FilesSourceError(f"isb-files: {name!r} is not a file name in {folder}")
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FilesSourceError(f"isb-files: {path} is a symlink: only files landed in the folder are "
+                                       "read, never what a link points to") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def count_lines(path: str | os.PathLike) -> int:
-    with open(path, "rb") as f:
-        data = f.read()
-    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    """Lines of the landed file ``path`` (a final line without ``\\n`` counts), read a buffer at a time."""
+    folder, name = os.path.split(os.fspath(path))
+    fd = open_landed(folder or ".", name)
+    n, last = 0, b"\n"
+    try:
+        while chunk := os.read(fd, _READ_BUFFER):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    finally:
+        os.close(fd)
+    return n + (last != b"\n")
+
+
+def _lines(f, max_line_bytes: int) -> Iterator[tuple[bytes, int | None]]:
+    """Each line of ``f`` (without its ``\\n``) and None, or for a line over ``max_line_bytes`` its first
+    bytes and its length: such a line is skipped to its end a buffer at a time, never held whole."""
+    while line := f.readline(max_line_bytes + 1):
+        if line.endswith(b"\n"):
+            yield line[:-1], None
+            continue
+        if len(line) <= max_line_bytes:  # the last line, without a newline
+            yield line, None
+            continue
+        size, head = len(line), line[:min(_LONG_LINE_KEPT, max_line_bytes)]
+        while (more := f.readline(_READ_BUFFER)) and not more.endswith(b"\n"):
+            size += len(more)
+        size += max(0, len(more) - 1)
+        yield head, size
 
 
 def _ids(name: str, lo: int, hi: int) -> pa.Array:
@@ -125,44 +234,94 @@ def _ids(name: str, lo: int, hi: int) -> pa.Array:
     return pc.binary_join_element_wise(pa.scalar(f"{ID_PREFIX}/{name}/"), numbers, "")
 
 
-def read_segment(seg: FileSegment, rows_per_batch: int = _ROWS_PER_BATCH) -> Iterator[pa.RecordBatch]:
-    """The records of one segment as Arrow batches; :class:`FilesSourceError` if the file broke the protocol."""
+def _event(name: str, number: int, line: bytes, size: int | None, max_line_bytes: int) -> tuple[str, str | None]:
+    """A line's ``value`` and ``_isb_error`` (module docstring)."""
+    where = f"line {number} of landed file {name}"
+    if size is not None:
+        return (line.decode(errors="backslashreplace"),
+                f"{where} is {size} bytes, over the files source's maxLineBytes ({max_line_bytes}): not read "
+                f"(its first {len(line)} bytes are kept)")
+    try:
+        return line.decode(), None
+    except UnicodeDecodeError as e:
+        return (line.decode(errors="backslashreplace"),
+                f"{where} is not UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start}): events are UTF-8 JSON")
+
+
+def read_segment(seg: FileSegment, rows_per_batch: int = _ROWS_PER_BATCH,
+                 batch_bytes: int = _BATCH_BYTES) -> Iterator[pa.RecordBatch]:
+    """The records of one segment as Arrow batches (at most ``rows_per_batch`` rows, about
+    ``batch_bytes`` of values); :class:`FilesSourceError` if the file broke the protocol."""
     path = os.path.join(seg.path, seg.name)
     try:
-        with open(path, "rb") as f:
-            lines = _split_lines(f.read())
+        fd = open_landed(seg.path, seg.name)
     except FileNotFoundError:
         raise FilesSourceError(
             f"isb-files: {path} is gone but lines {seg.lo + 1}-{seg.hi} are still to be read: keep landed "
             "files until the pipeline has committed them downstream") from None
-    if len(lines) < seg.hi:
+    values: list[str] = []
+    errors: list[str | None] = []
+    held, first, number = 0, seg.lo, 0
+
+    def batch() -> pa.RecordBatch:
+        return pa.RecordBatch.from_arrays(
+            [pa.array(values, pa.string()), _ids(seg.name, first, first + len(values)), pa.array(errors, pa.string())],
+            schema=_ARROW_SCHEMA)
+
+    with os.fdopen(fd, "rb", buffering=_READ_BUFFER) as f:
+        for number, (line, size) in enumerate(_lines(f, seg.max_line_bytes), start=1):
+            if number <= seg.lo:
+                continue
+            value, error = _event(seg.name, number, line, size, seg.max_line_bytes)
+            values.append(value)
+            errors.append(error)
+            held += len(line)
+            if len(values) >= rows_per_batch or held >= batch_bytes:
+                yield batch()
+                first, held = first + len(values), 0
+                values, errors = [], []
+            if number >= seg.hi:
+                break
+    if number < seg.hi:
         raise FilesSourceError(
-            f"isb-files: {path} has {len(lines)} lines but line {seg.hi} was counted before: a landed file "
+            f"isb-files: {path} has {number} lines but line {seg.hi} was counted before: a landed file "
             "must not change (write NAME.tmp and rename it when complete)")
-    for lo in range(seg.lo, seg.hi, rows_per_batch):
-        hi = min(lo + rows_per_batch, seg.hi)
-        values = pa.array(lines[lo:hi], pa.binary()).cast(pa.string())
-        yield pa.RecordBatch.from_arrays([values, _ids(seg.name, lo, hi)], schema=_ARROW_SCHEMA)
+    if values:
+        yield batch()
 
 
 class FilesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Offsets and planning run on the driver; :meth:`read` runs in executor tasks."""
 
-    def __init__(self, path: str, pattern: str, read_max_rows: int, rows_per_partition: int):
+    def __init__(self, path: str, pattern: str, read_max_rows: int, rows_per_partition: int,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
         self.path, self.pattern = path, pattern
         self.read_max_rows, self.rows_per_partition = read_max_rows, rows_per_partition
+        self.max_line_bytes = max_line_bytes
         self._counts: dict[str, int] = {}  # driver only: line counts of landed (immutable) files
+        self._skipped: set[str] = set()  # driver only: names not read (not regular files), logged once
         self._target: Position | None = None  # availableNow: nothing after this
 
     # -- driver ------------------------------------------------------------------
 
     def _listing(self) -> list[str]:
+        """The landed files, in name order: regular files matching the pattern (module docstring)."""
         try:
-            names = os.listdir(self.path)
+            with os.scandir(self.path) as entries:
+                matching = [e for e in entries if fnmatch.fnmatchcase(e.name, self.pattern)
+                            and not e.name.startswith(".") and not e.name.endswith(".tmp")]
         except FileNotFoundError:
             return []
-        return sorted(n for n in names if fnmatch.fnmatchcase(n, self.pattern)
-                      and not n.startswith(".") and not n.endswith(".tmp"))
+        names = []
+        for e in matching:
+            if e.is_file(follow_symlinks=False):
+                names.append(e.name)
+            elif e.name not in self._skipped:
+                self._skipped.add(e.name)
+                what = "a symlink" if e.is_symlink() else "not a regular file"
+                log.warning("isb-files: %s is %s: not read (only files landed in %s are)",
+                            os.path.join(self.path, e.name), what, self.path)
+        return sorted(names)
 
     def _lines(self, name: str) -> int:
         if name not in self._counts:
@@ -217,7 +376,8 @@ class FilesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out: list[InputPartition] = []
         for name, lo, hi in self._segments(Position.from_json(start), Position.from_json(end)):
             for a in range(lo, hi, self.rows_per_partition):
-                out.append(FileSegment(self.path, name, a, min(a + self.rows_per_partition, hi)))
+                out.append(FileSegment(self.path, name, a, min(a + self.rows_per_partition, hi),
+                                       self.max_line_bytes))
         return out
 
     def commit(self, end: dict) -> None:
@@ -266,4 +426,5 @@ class FilesDataSource(DataSource):
             pattern=self.options.get("pattern") or "*.jsonl",
             read_max_rows=_positive_int(self.options, "readMaxRows", DEFAULT_READ_MAX_ROWS),
             rows_per_partition=_positive_int(self.options, "rowsPerPartition", DEFAULT_ROWS_PER_PARTITION),
+            max_line_bytes=_positive_int(self.options, "maxLineBytes", DEFAULT_MAX_LINE_BYTES),
         )

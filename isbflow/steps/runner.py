@@ -75,6 +75,7 @@ from typing import Any
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from isbflow.connector.files import FILES_SCHEMA, FilesSourceError, landing_folder
 from isbflow.connector.reader import EVENTS_SCHEMA, dead_frames
 from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
@@ -255,8 +256,7 @@ class PipelineRunner:
     def _empty_input(self, vertex: str):
         v = self.p.vertex(vertex)
         if v.source:
-            schema = EVENTS_SCHEMA if v.source.jetstream else StructType(
-                [StructField("value", StringType()), StructField("_isb_id", StringType())])
+            schema = EVENTS_SCHEMA if v.source.jetstream else FILES_SCHEMA
             return self.spark.createDataFrame([], schema)
         return self.spark.createDataFrame([], self.input_schema(vertex))
 
@@ -336,12 +336,14 @@ class PipelineRunner:
             schema = self.source_schema(v)
             with_corrupt = StructType([*schema.fields, StructField("_isb_corrupt", StringType())])
             parsed = df.select(F.from_json("value", with_corrupt, {"columnNameOfCorruptRecord": "_isb_corrupt"})
-                               .alias("_r"), "_isb_id", "value")
+                               .alias("_r"), "_isb_id", "value", *[c for c in (ERROR_COLUMN,) if c in df.columns])
             missing = F.concat_ws(", ", *[F.when(F.col(f"_r.{f.name}").isNull(), F.lit(f.name))
                                           for f in schema.fields])
-            error = (F.when(F.col("_r").isNull() | F.col("_r._isb_corrupt").isNotNull(),
-                            F.lit("malformed record: not JSON, or a field of the wrong type"))
-                     .when(missing != "", F.concat(F.lit("missing field(s): "), missing)))
+            malformed = F.col("_r").isNull() | F.col("_r._isb_corrupt").isNotNull()
+            reason = F.lit("malformed record: not JSON, or a field of the wrong type")
+            error = (F.when(F.col(ERROR_COLUMN).isNotNull(), F.col(ERROR_COLUMN)).when(malformed, reason)
+                     if ERROR_COLUMN in df.columns  # the source's own reason first (isb-files: not UTF-8, too long)
+                     else F.when(malformed, reason)).when(missing != "", F.concat(F.lit("missing field(s): "), missing))
             return parsed.select(*[F.col(f"_r.{f.name}").alias(f.name) for f in schema.fields], "_isb_id",
                                  error.alias(ERROR_COLUMN), F.when(error.isNotNull(), F.col("value"))
                                  .alias("_isb_raw"))
@@ -359,8 +361,10 @@ class PipelineRunner:
         v = self.p.vertex(vertex)
         limits = v.effective_limits(self.p.spec.limits)
         if v.source and v.source.files:
-            path = Path(v.source.files.path)
-            path = path if path.is_absolute() else self.data_dir / path
+            try:
+                path = landing_folder(v.source.files.path, self.data_dir)
+            except FilesSourceError as e:
+                raise StepError(f"source {vertex!r}: {e}") from None
             return (self.spark.readStream.format("isb-files").option("path", str(path))
                     .option("pattern", v.source.files.pattern)
                     .option("readMaxRows", str(limits.readBatchSize)).load())

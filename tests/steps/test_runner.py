@@ -273,3 +273,36 @@ def test_buffers_are_released_after_the_downstream_commit(spark, nats_server, tm
     held = asyncio.run(provision.status(settings, specs))
     left = {s.name: s.messages for s in held if s.name in streams and s.messages}
     assert left == {}, f"{retention} buffers still hold messages after the downstream commit: {left}"
+
+
+def test_a_files_source_reads_its_folder_only_and_its_bad_lines_carry_their_reason(spark, nats_server, tmp_path):
+    """The source step's parse keeps the isb-files reason (not UTF-8, over-long) ahead of its own, so
+    the writer dead-letters such a line with it; a landing folder outside the data dir is refused."""
+    import yaml
+
+    from isbflow.connector.files import FILES_SCHEMA
+    from isbflow.steps.runner import StepError
+
+    docs = list(yaml.safe_load_all((ROOT / "pipelines" / "logs.yaml").read_text()))
+    source = next(v for v in docs[1]["spec"]["vertices"] if v["name"] == "in")["source"]
+    source.pop("jetstream")
+    source["files"] = {"path": "/etc"}
+    path = tmp_path / "logs.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    specs = load_specs(path)
+    p = specs.only_pipeline()
+    runner = PipelineRunner(spark, specs, p, nats_server.settings, tmp_path)
+    try:
+        with pytest.raises(StepError, match=r"source 'in': source.files.path '/etc' is outside the folders"):
+            runner._read("in")
+        good = json.dumps({"ts": "2024-01-01T00:00:00", "service": "a", "level": "info", "host": "h",
+                           "latency_ms": 1.0, "status": 200, "msg": "m"})
+        df = spark.createDataFrame([(good, "files/a/1", None), (good, "files/a/2", "line 2 of landed file a is not UTF-8"),
+                                    ("{", "files/a/3", None)], FILES_SCHEMA)
+        rows = {r["_isb_id"]: r for r in runner.apply_transform("in", df).collect()}
+    finally:
+        runner.close()
+    assert rows["files/a/1"]["_isb_error"] is None and rows["files/a/1"]["service"] == "a"
+    assert rows["files/a/2"]["_isb_error"] == "line 2 of landed file a is not UTF-8"
+    assert rows["files/a/2"]["_isb_raw"] == good
+    assert rows["files/a/3"]["_isb_error"].startswith("malformed record")
