@@ -6,7 +6,6 @@ refused, timeout), 2 bad input (spec validation, usage).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Callable, Coroutine
@@ -132,7 +131,9 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; an unreachable ISB service becomes one line and exit 1."""
-    # lazy: ops.connection loads the NATS client, which 'isbflow --help' must not pay for
+    # lazy: asyncio (with ssl) and ops.connection (the NATS client): 'isbflow --help' must not pay for them
+    import asyncio
+
     from isbflow.ops.connection import IsbUnreachable
 
     try:

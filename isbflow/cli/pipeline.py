@@ -24,7 +24,6 @@ from isbflow.cli.common import (
     reader_settings_or_exit,
     settings_or_exit,
 )
-from isbflow.ops import pipeline as ops
 
 app = typer.Typer(help="Run, drain and watch a pipeline's Spark steps.", no_args_is_help=True)
 step_app = typer.Typer(help="Run one step of a pipeline.", no_args_is_help=True)
@@ -52,6 +51,9 @@ ProcessingTimeOpt = Annotated[str | None, typer.Option(
 
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0,
          processing_time=None):
+    # lazy: ops.pipeline loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow.ops import pipeline as ops
+
     specs, p = pipeline_or_exit(files, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     available_now = trigger == Trigger.AVAILABLE_NOW
@@ -131,6 +133,9 @@ def drain(
     """Drain a running pipeline: upstream steps first, each downstream step once its inputs are
     consumed; returns when every step reports drained, with its final offsets.
     """
+    # lazy: ops.pipeline loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow.ops import pipeline as ops
+
     specs, p = pipeline_or_exit(file, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
     try:
@@ -161,6 +166,9 @@ def status(
 
     --json holds every heartbeat field (unrouted_total, dlq_total, sink_retries, fallback_total, ...).
     """
+    # lazy: ops.pipeline loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow.ops import pipeline as ops
+
     specs, p = pipeline_or_exit(file, pipeline)
     settings = reader_settings_or_exit(nats_url, data_dir, specs, p.name)
     st = call(ops.status, settings, p)

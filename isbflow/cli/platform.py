@@ -12,12 +12,11 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from isbflow import platform
 from isbflow.cli.common import (
     DataDir,
     JsonOut,
@@ -28,21 +27,27 @@ from isbflow.cli.common import (
     load_or_exit,
     print_json,
 )
-from isbflow.ops import pipeline as ops_pipeline
+
+if TYPE_CHECKING:
+    from isbflow import platform
 
 app = typer.Typer(help="Run the whole platform locally: the ISB service (nats-server), the demo pipeline with a "
                        "producer, and Airflow, on 127.0.0.1 only.", no_args_is_help=True)
 
-DEMO = platform.demo_spec()
+#: the defaults of 'platform up', as isbflow.platform has them (tests/cli/test_startup.py checks they
+#: agree): importing isbflow.platform here would load the NATS client and the launcher for every command
+DEFAULT_API_PORT = 8080
+DEFAULT_NATS_PORT = 4222
+DEFAULT_RATE = 100.0
 #: where the plugin's pages live under the api-server
 PIPELINES_PAGE = "/isbflow/pipelines"
 
 
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(help="Airflow api-server (UI) port on 127.0.0.1.")] = platform.DEFAULT_API_PORT,
+    port: Annotated[int, typer.Option(help="Airflow api-server (UI) port on 127.0.0.1.")] = DEFAULT_API_PORT,
     nats_port: Annotated[int, typer.Option(help="NATS client port (a free one when taken).")] =
-        platform.DEFAULT_NATS_PORT,
+        DEFAULT_NATS_PORT,
     pipeline_file: Annotated[Path | None, typer.Option(
         "--pipeline-file", help="The pipeline to run (default: the demo, pipelines/logs.yaml).")] = None,
     run_pipeline: Annotated[bool, typer.Option(
@@ -51,7 +56,7 @@ def up(
         min=0, help="Events per second the producer publishes to the pipeline's source (0: no producer). "
                     "Its events carry event times from the moment it starts, 10 ms apart: at 100/s they keep "
                     "pace with the clock.")] =
-        platform.DEFAULT_RATE,
+        DEFAULT_RATE,
     master: Annotated[str, typer.Option(help="Spark master of the pipeline's driver.")] = "local[2]",
     processing_time: Annotated[str | None, typer.Option(
         help="The trigger interval of the source steps, e.g. '4 seconds': the latency budget; a longer one "
@@ -67,8 +72,12 @@ def up(
 
     Example: isbflow platform up   (then open http://127.0.0.1:8080)
     """
+    # lazy: the platform and ops.pipeline load the NATS client and the launcher; 'isbflow --help' must not
+    from isbflow import platform
+    from isbflow.ops import pipeline as ops_pipeline
+
     dd = data_dir_or_default(data_dir).resolve()
-    spec = (pipeline_file or DEMO).resolve()
+    spec = (pipeline_file or platform.demo_spec()).resolve()
     server_settings, opts = None, None
     if run_pipeline:
         if processing_time is not None:
@@ -122,6 +131,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def _stop(dd: Path) -> None:
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     err_console.print("stopping the platform (draining the pipeline first) ...")
     with err_console.status("stopping", spinner="dots") as spinner:
         stopped = platform.stop(dd, progress=spinner.update)
@@ -138,6 +150,9 @@ def _stop(dd: Path) -> None:
 
 def _summary(state: platform.PlatformState, report: platform.PipelineReport | None,
              check, reused: bool, seconds: float) -> None:
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     st = platform.status(Path(state.data_dir))
     nats = st["nats"] or {}
     nats_url = ",".join(nats.get("urls", [])) or "?"
@@ -178,6 +193,9 @@ def _summary(state: platform.PlatformState, report: platform.PipelineReport | No
 
 
 def _driver_memory(report: platform.PipelineReport | None) -> str:
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     if report is None or report.launch.alive() is not True:
         return ""
     return f", pipeline driver {platform.group_memory(report.launch.pid) / 2**20:.0f} MB"
@@ -186,6 +204,9 @@ def _driver_memory(report: platform.PipelineReport | None) -> str:
 def _supervise(state: platform.PlatformState) -> int:
     """Block until interrupted (0) or until an Airflow process dies (1, naming it); warn once when
     the producer exits (it ends after its count)."""
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     warned = False
     while True:
         dead = platform.dead_process(state)
@@ -209,6 +230,9 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
 
     Exit 1 when it is not running or not healthy.
     """
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     dd = data_dir_or_default(data_dir)
     st = platform.status(dd)
     if json_out:
@@ -222,6 +246,9 @@ def status(data_dir: DataDir = None, json_out: JsonOut = False) -> None:
 
 
 def _print_status(st: dict) -> None:
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     t = Table("process", "pid", "alive", "CPU % (1 core = 100)", "memory MB (PSS)")
 
     def row(name: str, p: dict, alive: str) -> None:
@@ -271,6 +298,9 @@ def down(
 ) -> None:
     """Stop the platform started by 'isbflow platform up': drain the pipeline, then stop every process
     (by PID). State on disk is kept."""
+    # lazy: the platform loads the NATS client and the launcher, which 'isbflow --help' must not pay for
+    from isbflow import platform
+
     dd = data_dir_or_default(data_dir).resolve()
     state = platform.read_state(dd)
     if state is None:

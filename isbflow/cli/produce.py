@@ -29,10 +29,6 @@ from isbflow.cli.common import (
     run,
     settings_or_exit,
 )
-from isbflow.ops import produce as P
-from isbflow.ops.connection import PRODUCER
-from isbflow.ops.isb import granted
-from isbflow.spec import SpecError
 
 
 def produce(
@@ -74,6 +70,12 @@ def produce(
 
       isbflow produce -f pipelines/logs.yaml --count 360000 --rate 100 --event-time-from now
     """
+    # lazy: the ops verbs load the NATS client and the spec's models, which 'isbflow --help' must not pay for
+    from isbflow.ops import produce as P
+    from isbflow.ops.connection import PRODUCER
+    from isbflow.ops.isb import granted
+    from isbflow.spec import SpecError
+
     specs = load_or_exit(file)
     try:
         p = specs.select(pipeline)

@@ -26,9 +26,6 @@ from isbflow.cli.common import (
     pipeline_or_exit,
     print_json,
 )
-from isbflow.ops.connection import resolve_settings
-from isbflow.ops.spark import SparkOnDemand
-from isbflow.spec.expectations import check_expectations
 
 app = typer.Typer(help="Data quality of the sinks: GX suites, built-in checks, reports, gates.",
                   no_args_is_help=True)
@@ -50,6 +47,9 @@ def _sinks(p, wanted: list[str] | None) -> list[str]:
 @app.command("check")
 def check(file: SpecFile, json_out: JsonOut = False) -> None:
     """Build every expectation of the spec with GX: exit 2 with FILE: field: problem lines if one fails."""
+    # lazy: the catalog's module loads difflib and importlib.metadata, which 'isbflow --help' must not pay for
+    from isbflow.spec.expectations import check_expectations
+
     problems = check_expectations(load_or_exit(file))
     if json_out:
         print_json({"valid": not problems, "problems": [p.__dict__ for p in problems]})
@@ -76,6 +76,8 @@ def run_cmd(file: SpecFile, sink: SinkOpt = None, pipeline: PipelineName = None,
     """
     # lazy: ops.quality and the quality/ modules under it add ~35 ms (-X importtime) to every command's start-up
     from isbflow.ops import quality as ops_quality
+    from isbflow.ops.connection import resolve_settings
+    from isbflow.ops.spark import SparkOnDemand
 
     specs, p = pipeline_or_exit(file, pipeline)
     names = _sinks(p, sink)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -26,10 +26,10 @@ from isbflow.cli.common import (
     print_json,
     settings_or_exit,
 )
-from isbflow.ops import ref as reference
-from isbflow.ops.connection import NatsSettings
-from isbflow.spec import SpecError
-from isbflow.spec.models import Pipeline
+
+if TYPE_CHECKING:
+    from isbflow.ops.connection import NatsSettings
+    from isbflow.spec.models import Pipeline
 
 app = typer.Typer(
     help="Reference tables a step joins against (Kafka Streams' GlobalKTable), kept in a KV bucket.\n\n"
@@ -86,6 +86,8 @@ def read_rows(path: Path, key: str) -> dict[str, dict[str, Any]]:
 
 
 def _open(files, pipeline, name, nats_url, data_dir) -> tuple[Pipeline, str, NatsSettings]:
+    # lazy: the spec's models load pydantic and yaml, which 'isbflow --help' must not pay for
+    from isbflow.spec import SpecError
 
     specs = load_or_exit(files)
     try:
@@ -111,6 +113,9 @@ def put(
 
     Example: isbflow ref put -f pipelines/logs.yaml --name services --from-file pipelines/reference/services.json
     """
+    # lazy: ops.ref loads pyarrow and the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops import ref as reference
+
     p, key, settings = _open(file, pipeline, name, nats_url, data_dir)
     try:
         rows = read_rows(from_file, key)
@@ -138,6 +143,9 @@ def load(
 
     Example: isbflow ref load -f pipelines/logs.yaml --name services
     """
+    # lazy: ops.ref loads pyarrow and the NATS client, which 'isbflow --help' must not pay for
+    from isbflow.ops import ref as reference
+
     p, key, settings = _open(file, pipeline, name, nats_url, data_dir)
     try:
         rev, table = call(reference.load, settings, p.name, name, key)

@@ -46,9 +46,6 @@ from isbflow.cli.common import (
     print_json,
     settings_or_exit,
 )
-from isbflow.ops import replay as ops_replay
-from isbflow.ops.spark import SparkOnDemand
-from isbflow.spec import SpecError
 
 OFFSET_HELP = ("Source offset (JetStream sequence of the source stream, included): N for the pipeline's only "
                "source, SOURCE:N, SOURCE/PARTITION:N, or a comma list of those. Default: the stream's first "
@@ -117,6 +114,11 @@ def replay(
 
       isbflow replay -f pipelines/logs.yaml --promote reprocess-20261125T101500Z
     """
+    # lazy: the replay verbs load Spark's helpers, Delta and the NATS client; 'isbflow --help' must not
+    from isbflow.ops import replay as ops_replay
+    from isbflow.ops.spark import SparkOnDemand
+    from isbflow.spec import SpecError
+
     ranged = [o for o, v in (("--from", from_), ("--to", to), ("--from-time", from_time), ("--to-time", to_time),
                              ("--time-column", time_column)) if v]
     if mode == Mode.RECOVER and ranged and promote is None:
