@@ -37,14 +37,12 @@ from isbflow.sinks.delta_files import (
     MODES,
     NULL_PARTITION,
     SHORT_NAME,
-    STATS_STRING_PREFIX,
     DeltaCommitMessage,
     DeltaSchemaMismatch,
     DeltaSinkError,
     DeltaSinkOptionError,
     DeltaSinkOptions,
     delta_arrow_schema,
-    file_stats,
     sink_app_id,
     write_batch_files,
 )
@@ -67,6 +65,7 @@ from isbflow.sinks.delta_merge import (
     sink_version,
 )
 from isbflow.sinks.delta_spark import DeltaBatchWriter, batch_offsets
+from isbflow.sinks.delta_stats import STATS_STRING_PREFIX, file_stats, nan_columns
 
 __all__ = [
     "DEFAULT_ROW_GROUP_ROWS",
@@ -93,6 +92,7 @@ __all__ = [
     "count_rows",
     "delta_arrow_schema",
     "file_stats",
+    "nan_columns",
     "key_predicate",
     "latest_per_key",
     "merge_insert_missing",

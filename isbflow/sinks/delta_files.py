@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -47,11 +46,11 @@ from deltalake.transaction import AddAction
 from pyspark.sql.datasource import WriterCommitMessage
 
 from isbflow.isb import ledger
+from isbflow.sinks.delta_stats import file_stats, nan_columns
 
 SHORT_NAME = "isb-delta"
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 DEFAULT_ROW_GROUP_ROWS = 512 * 1024
-STATS_STRING_PREFIX = 32  # like Delta Spark: string stats keep a 32-character prefix
 #: ``mode`` option values: plain commit of the tasks' files, insert-if-absent, replace-or-insert
 MODES = ("append", "merge", "upsert")
 #: A plain column name (what ``mergeKey``, ``versionColumn`` and merge keys accept).
@@ -62,7 +61,6 @@ PENDING_DIR = "_isb_pending"
 COMMITTING_FILE = "COMMITTING"
 _MARKER_SUFFIX = ".pending"
 _FILE_RE = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]{8})-([0-9a-f]{32})\.parquet$")
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class DeltaSinkError(Exception):
@@ -264,7 +262,9 @@ def _partition_string(value: Any) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, datetime):
-        return value.replace(tzinfo=None).isoformat(sep=" ")
+        if value.tzinfo is None:  # timestamp_ntz: the protocol's "{date} {time}"
+            return value.isoformat(sep=" ")
+        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # ISO-8601 in UTC
     if isinstance(value, date):
         return value.isoformat()
     return str(value)
@@ -302,76 +302,6 @@ def _split_by_partition(
         yield {c: _partition_string(combo[c]) for c in partition_by}, rows
 
 
-def _stat_value(value: Any, raw: Any, typ: pa.DataType, is_max: bool) -> Any:
-    """A Parquet min/max as Delta stats JSON wants it, or None when it can't be exact."""
-    if pa.types.is_integer(typ):
-        return int(value)
-    if pa.types.is_floating(typ):
-        return float(value) if math.isfinite(value) else None
-    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        s = value.decode() if isinstance(value, bytes) else str(value)
-        if len(s) <= STATS_STRING_PREFIX:
-            return s
-        return None if is_max else s[:STATS_STRING_PREFIX]
-    if pa.types.is_date32(typ):
-        return value.isoformat()
-    if pa.types.is_timestamp(typ) and typ.tz is not None:
-        # Delta keeps milliseconds: round the min down and the max up so the bounds still hold.
-        raw = int(raw)
-        if typ.unit == "s":
-            ms = raw * 1000
-        else:
-            per_ms = {"ms": 1, "us": 1000, "ns": 1_000_000}[typ.unit]
-            ms = -(-raw // per_ms) if is_max else raw // per_ms
-        t = _EPOCH + timedelta(milliseconds=ms)
-        return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
-    return None
-
-
-def file_stats(metadata: pq.FileMetaData, schema: pa.Schema) -> str:
-    """Delta stats JSON (numRecords, minValues, maxValues, nullCount) from a Parquet footer.
-
-    Parquet writers compute row-group statistics anyway, so this costs no pass
-    over the data. Top-level primitive columns only; a bound that cannot be
-    exact (long strings' max, NaN, nested types) is left out, which Delta allows.
-    """
-    leaves = {metadata.schema.column(i).path: i for i in range(metadata.num_columns)}
-    mins: dict[str, Any] = {}
-    maxs: dict[str, Any] = {}
-    nulls: dict[str, int] = {}
-    for f in schema:
-        i = leaves.get(f.name)
-        if i is None:
-            continue
-        lo = hi = None
-        exact = True
-        null_count = 0
-        for rg in range(metadata.num_row_groups):
-            col = metadata.row_group(rg).column(i)
-            st = col.statistics
-            if st is None or not st.has_null_count:
-                exact, null_count = False, None
-                break
-            null_count += st.null_count
-            if not st.has_min_max:
-                if metadata.row_group(rg).num_rows > st.null_count:
-                    exact = False
-                continue
-            a = _stat_value(st.min, st.min_raw, f.type, False)
-            b = _stat_value(st.max, st.max_raw, f.type, True)
-            lo = a if lo is None or (a is not None and a < lo) else lo
-            hi = b if hi is None or (b is not None and b > hi) else hi
-            if a is None:
-                exact = False
-        if null_count is not None:
-            nulls[f.name] = null_count
-        if exact and lo is not None and hi is not None:
-            mins[f.name], maxs[f.name] = lo, hi
-    return json.dumps(
-        {"numRecords": metadata.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
-    )
-
-
 class _PartitionFile:
     """One open Parquet file for one partition value, buffering rows into row groups."""
 
@@ -391,9 +321,11 @@ class _PartitionFile:
         self.writer = pq.ParquetWriter(self.abs_path, schema, metadata_collector=self.collector)
         self.buffer: list[pa.Table] = []
         self.buffered = 0
+        self.nans: set[str] = set()
 
     def add(self, rows: pa.Table) -> None:
         self.buffer.append(rows)
+        self.nans |= nan_columns(rows)
         self.buffered += rows.num_rows
         if self.buffered >= self.row_group_rows:
             self.flush()
@@ -415,7 +347,7 @@ class _PartitionFile:
             partition_values=self.values,
             modification_time=int(st.st_mtime * 1000),
             data_change=True,
-            stats=file_stats(self.collector[0], self.schema),
+            stats=file_stats(self.collector[0], self.schema, self.nans),
         )
 
     def discard(self) -> None:

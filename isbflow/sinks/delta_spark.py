@@ -84,12 +84,12 @@ from isbflow.sinks.delta_files import (
     DeltaSinkOptions,
     batch_file_name,
     delta_arrow_schema,
-    file_stats,
     note_pending,
     partition_dir,
     pending_dir,
 )
 from isbflow.sinks.delta_merge import open_table
+from isbflow.sinks.delta_stats import file_stats, nan_columns
 
 _log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def adopt_staged_files(options: DeltaSinkOptions, staging: str, batch_id: int,
             st = os.stat(dst)
             actions.append(AddAction(path=rel, size=st.st_size, partition_values=values,
                                      modification_time=int(st.st_mtime * 1000), data_change=True,
-                                     stats=file_stats(metadata, schema)))
+                                     stats=file_stats(metadata, schema, nan_columns(dst))))
     return actions
 
 
