@@ -76,6 +76,33 @@ def reference_bucket(pipeline: str, name: str) -> str:
     return f"isbflow-{pipeline}-ref-{name}"
 
 
+# ------------------------------------------------------------------ isbflow's own namespace
+
+#: prefixes of the streams isbflow derives (buffers and dead letters, source streams, KV buckets'
+#: and object stores' streams): a spec's ``source.jetstream.stream`` may take none of them
+RESERVED_STREAM_PREFIXES = ("isb-", "src-", "isbflow-", "KV_", "OBJ_")
+#: prefixes of the subjects isbflow derives or NATS itself uses (buffers and dead letters, the
+#: JetStream and KV APIs, every role's reply inbox): a spec's ``source.jetstream.subject`` may take none
+RESERVED_SUBJECT_PREFIXES = ("isb.", "isbflow.", "$", "_INBOX")
+
+
+def reserved(kind: Literal["stream", "subject"], name: str) -> str | None:
+    """Why ``name`` may not be named in a spec as a ``kind`` (it lies in isbflow's own namespace,
+    where every name belongs to some pipeline's derived resources); None when it may."""
+    prefixes = RESERVED_STREAM_PREFIXES if kind == "stream" else RESERVED_SUBJECT_PREFIXES
+    hit = next((p for p in prefixes if name.startswith(p) or name == p.rstrip("-.")), None)
+    if hit is None:
+        return None
+    shown = ", ".join(f"'{p}'" for p in prefixes)
+    what = ("isbflow derives every stream there (buffers, dead letters, source streams, KV buckets): "
+            "naming one would hand this pipeline another pipeline's stream; leave 'stream' out to get "
+            "the stream isbflow derives, or name your producers' own stream"
+            if kind == "stream" else
+            "those subjects are isbflow's buffers and dead letters, NATS' APIs and the roles' reply "
+            "inboxes: publishing there would reach another pipeline; use your producers' own subject")
+    return f"{name!r} is inside isbflow's own namespace (a {kind} may not start with {shown}): {what}"
+
+
 # ------------------------------------------------------------------ claims
 
 

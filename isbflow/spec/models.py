@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from isbflow.spec import constants, graph
+from isbflow.spec import constants, derived, graph
 from isbflow.spec.conditions import ForwardConditions, TagConditions, TagOperator  # noqa: F401 - re-exported
 from isbflow.spec.constants import OnFull  # noqa: F401 - re-exported
 from isbflow.spec.expectations import catalog_problems
@@ -146,6 +146,17 @@ class JetStreamSource(SpecModel):
     def _subject(cls, v: str) -> str:
         if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z", v):
             raise ValueError(f"{v!r} is not a plain NATS subject (tokens of letters, digits, '_' '-' joined by '.')")
+        problem = derived.reserved("subject", v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, v: str | None) -> str | None:
+        problem = derived.reserved("stream", v) if v is not None else None
+        if problem:
+            raise ValueError(problem)
         return v
 
 
