@@ -48,14 +48,19 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"must be a size in bytes such as 1048576 or '1MiB', got {value!r}")
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration)]
-Size = Annotated[int, BeforeValidator(parse_size)]
+#: written as a Go-style string (``72h``, ``30s``, ``1m30s``) or a number of seconds; held as float seconds
+Duration = Annotated[float, BeforeValidator(parse_duration, json_schema_input_type=float | str)]
+#: written as bytes or a string with a unit (``64MiB``, ``1GB``); held as int bytes
+Size = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
 
 
 class SpecModel(BaseModel):
-    """Strict-ish base: unknown fields are errors; values are checked, not coerced wildly."""
+    """Strict-ish base: unknown fields are errors; values are checked, not coerced wildly.
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    A field's description is the docstring right below it (it shows in ``isbflow spec schema``
+    and in editors that read the schema)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, use_attribute_docstrings=True)
 
 
 def check_name(value: str) -> str:
@@ -67,7 +72,10 @@ def check_name(value: str) -> str:
     return value
 
 
-Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v)]
+#: :data:`NAME_PATTERN` in JSON Schema's dialect (no ``\\Z``; a schema's ``$`` has no newline exception)
+JSON_NAME_PATTERN = NAME_PATTERN.removesuffix(r"\Z") + "$"
+Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v,
+                                      json_schema_input_type=Annotated[str, Field(pattern=JSON_NAME_PATTERN)])]
 
 
 def check_path(value: str) -> str:
@@ -99,6 +107,12 @@ def one_of_message(what: str, allowed: tuple[str, ...], found: list[str]) -> str
 
 
 class Metadata(SpecModel):
+    """Kubernetes-style object metadata, as in Numaflow."""
+
     name: Name
+    """The object's name: lowercase letters, digits and '-', starting and ending with a letter or digit,
+    at most 48 characters. It ends up in stream names, subjects and paths."""
     labels: dict[str, str] = Field(default_factory=dict)
+    """Free-form string labels; kept with the spec, not used by isbflow. Default: none."""
     annotations: dict[str, str] = Field(default_factory=dict)
+    """Free-form string annotations; kept with the spec, not used by isbflow. Default: none."""
