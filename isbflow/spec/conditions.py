@@ -30,7 +30,10 @@ class TagConditions(SpecModel):
     """Numaflow's ``conditions.tags``: ``operator`` (default ``or``, as in Numaflow) over ``values``."""
 
     operator: TagOperator = TagOperator.OR
+    """``or`` (any of ``values`` among the record's tags), ``and`` (all of them) or ``not`` (none of them).
+    Default ``or``."""
     values: list[str]
+    """The tags compared, at least one."""
 
     @field_validator("operator", mode="before")
     @classmethod
@@ -54,3 +57,4 @@ class ForwardConditions(SpecModel):
     """Numaflow's ``edges[].conditions``: conditional forwarding by the tags a transform sets."""
 
     tags: TagConditions
+    """Which records the edge takes, by the tags the upstream transform set."""

@@ -43,8 +43,11 @@ class DeltaSink(SpecModel):
     mount) must be asked for with ``external: true``, so no spec leaves the data dir by accident."""
 
     path: SafePath
+    """The table's folder: relative to the data dir (``ISBFLOW_HOME``), or absolute with ``external: true``."""
     partitionBy: list[str] = Field(default_factory=list)
+    """Columns the table is partitioned by (Delta partition columns). Default: none."""
     external: bool = False
+    """Allows an absolute ``path`` (another disk, a mount). Default false."""
 
     @model_validator(mode="after")
     def _inside(self) -> DeltaSink:
@@ -66,10 +69,16 @@ class Backoff(SpecModel):
     """Numaflow's ``retryStrategy.backoff``. ``steps`` counts attempts, the first one included."""
 
     interval: Duration = Field(default=DEFAULT_INTERVAL, ge=0.001, le=3600.0)
+    """The wait before the first retry, a duration (``500ms``, ``2s``) or seconds, from 1 ms to 1 h. Default 1 s
+    (Numaflow's 1 ms would spin against a database that is down)."""
     steps: StrictInt | None = Field(default=None, ge=1)
+    """Attempts, the first one included, before ``onFailure`` applies. Default: unlimited."""
     factor: float = Field(default=1.0, ge=1.0, le=100.0)
+    """Each wait is the previous one times this, 1 to 100. Default 1 (a constant wait)."""
     cap: Duration | None = Field(default=None, ge=0.001, le=86400.0)
+    """The longest wait, a duration or seconds, from 1 ms to 1 day, at least ``interval``. Default: none."""
     jitter: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """A random share added to each wait, 0 to below 1 (0.2: up to 20% more). Default 0."""
 
     @model_validator(mode="after")
     def _cap(self) -> Backoff:
@@ -88,7 +97,10 @@ class RetryStrategy(SpecModel):
     """Numaflow's ``sink.retryStrategy``."""
 
     backoff: Backoff = Field(default_factory=Backoff)
+    """How long to wait between attempts, and how many. Default: 1 s, for ever."""
     onFailure: OnFailure = OnFailure.RETRY
+    """Once ``backoff.steps`` attempts failed: ``retry`` (start the backoff again), ``fallback`` (the batch
+    goes to the fallback sink) or ``drop`` (its records are counted as dropped). Default ``retry``."""
 
 
 class FallbackSink(SpecModel):
@@ -99,7 +111,9 @@ class FallbackSink(SpecModel):
     batch id: what makes a replayed batch commit nothing there either)."""
 
     delta: DeltaSink | None = None
+    """A Delta table."""
     postgres: PostgresSink | None = None
+    """A PostgreSQL table."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> FallbackSink:
@@ -114,9 +128,13 @@ class Sink(SpecModel):
     optionally Numaflow's ``retryStrategy`` and ``fallback``."""
 
     delta: DeltaSink | None = None
+    """Write a Delta table (exactly once, per batch)."""
     postgres: PostgresSink | None = None
+    """Write a PostgreSQL table (one transaction per batch)."""
     retryStrategy: RetryStrategy | None = None
+    """What happens when writing fails: waits, attempts, then ``onFailure``. Default: retry every 1 s, for ever."""
     fallback: FallbackSink | None = None
+    """The table refused records go to. Default: none (they go to the dead-letter buffer)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> Sink:
