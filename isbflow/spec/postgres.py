@@ -41,10 +41,15 @@ class PostgresSink(SpecModel):
     """A PostgreSQL table; created from the step's output schema when missing."""
 
     table: str
+    """``table`` or ``schema.table``: plain identifiers, at most 63 characters each."""
     connection: str | None = None
+    """An Airflow connection id of type ``postgres`` (read from ``AIRFLOW_CONN_<ID>``); or give ``dsn``."""
     dsn: str | None = None
+    """A libpq connection string or ``postgresql://`` URI without a password; or give ``connection``."""
     passwordFile: str | None = None
+    """With ``dsn``: an owner-only file holding the password. Default: none."""
     passwordEnv: str | None = None
+    """With ``dsn``: the name of an environment variable holding the password. Default: none."""
 
     @field_validator("table")
     @classmethod
