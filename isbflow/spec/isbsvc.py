@@ -25,12 +25,16 @@ from isbflow.spec.numaflow import RETENTION_CODES, STORAGE_CODES, numeric_code
 
 
 class Retention(StrEnum):
+    """JetStream's retention policy of a stream."""
+
     LIMITS = "Limits"
     INTEREST = "Interest"
     WORK_QUEUE = "WorkQueue"
 
 
 class Storage(StrEnum):
+    """Where JetStream keeps a stream's messages."""
+
     FILE = "file"
     MEMORY = "memory"
 
@@ -41,13 +45,23 @@ class StreamConfig(SpecModel):
     ``retention`` and ``storage`` also take Numaflow's codes (0 Limits, 1 Interest,
     2 WorkQueue; 0 file, 1 memory)."""
 
-    retention: Annotated[Retention, BeforeValidator(numeric_code(RETENTION_CODES, "retention"))] = Retention.LIMITS
+    retention: Annotated[Retention, BeforeValidator(numeric_code(RETENTION_CODES, "retention"),
+                                                    json_schema_input_type=Retention | Literal[0, 1, 2])] = \
+        Retention.LIMITS
+    """``Limits``, ``Interest`` or ``WorkQueue`` (or Numaflow's 0, 1, 2). Default ``Limits``."""
     maxMsgs: StrictInt = Field(default=-1, ge=-1)
+    """The most messages a stream keeps; -1: no bound. Default -1."""
     maxAge: Duration = 72 * 3600.0
+    """Messages older than this are removed, a duration (``72h``) or seconds. Default 72h."""
     maxBytes: Size = -1
-    storage: Annotated[Storage, BeforeValidator(numeric_code(STORAGE_CODES, "storage"))] = Storage.FILE
+    """The most bytes a stream keeps, bytes or a size (``512MiB``); -1: no bound. Default -1."""
+    storage: Annotated[Storage, BeforeValidator(numeric_code(STORAGE_CODES, "storage"),
+                                                json_schema_input_type=Storage | Literal[0, 1])] = Storage.FILE
+    """``file`` or ``memory`` (or Numaflow's 0, 1). Default ``file``."""
     replicas: StrictInt = Field(default=1, ge=1, le=5)
+    """Copies of each stream on the JetStream cluster, 1 to 5. Default 1."""
     duplicates: Duration = 120.0
+    """The window in which a message id published twice is stored once, a duration or seconds. Default 2m."""
 
 
 class DeadLetterConfig(StreamConfig):
@@ -62,9 +76,13 @@ class DeadLetterConfig(StreamConfig):
     """
 
     maxMsgs: StrictInt = Field(default=100_000, ge=-1)
+    """The most dead letters kept; -1: no bound. Default 100000."""
     maxAge: Duration = 7 * 24 * 3600.0
+    """Dead letters older than this are removed, a duration or seconds. Default 7 days."""
     maxBytes: Size = 256 * 1024**2
+    """The most bytes of dead letters kept, bytes or a size; -1: no bound. Default 256MiB."""
     replicas: StrictInt | None = Field(default=None, ge=1, le=5)
+    """Copies of the dead-letter stream, 1 to 5. Default: ``bufferConfig.stream.replicas``."""
 
 
 class BufferConfig(SpecModel):
@@ -73,7 +91,9 @@ class BufferConfig(SpecModel):
     and ``procBucket`` are refused (:data:`isbflow.spec.numaflow.FIELDS` says why)."""
 
     stream: StreamConfig = Field(default_factory=StreamConfig)
+    """How every buffer's stream is configured."""
     deadLetter: DeadLetterConfig = Field(default_factory=DeadLetterConfig)
+    """How the pipeline's dead-letter stream is configured."""
 
     @property
     def dead_letter_replicas(self) -> int:
@@ -88,15 +108,24 @@ class JetStreamSettings(SpecModel):
     config sets them)."""
 
     max_payload: Size = Field(default=8 * 1024 * 1024, gt=0)
+    """The largest message, bytes or a size (``8MiB``): bounds frames and every stream. Default 8MiB."""
     max_memory_store: Size = 1024**3
+    """The embedded server's memory store, bytes or a size. Default 1GiB; not for an external ``url``."""
     max_file_store: Size = 10 * 1024**3
+    """The embedded server's disk store, bytes or a size. Default 10GiB; not for an external ``url``."""
 
 
 class TLSConfig(SpecModel):
+    """TLS to the ISB service, by files."""
+
     caFile: str | None = None
+    """The CA certificate (PEM) the server's certificate is checked against."""
     certFile: str | None = None
+    """The client certificate (PEM), when the server asks for one."""
     keyFile: str | None = None
+    """The private key (PEM) of ``certFile``."""
     insecureSkipVerify: bool = False
+    """Skip checking the server's certificate. Default false."""
 
 
 class AuthConfig(SpecModel):
@@ -104,9 +133,13 @@ class AuthConfig(SpecModel):
     file holding ``user:password`` / a token. Secrets never sit in a spec."""
 
     connectionId: str | None = None
+    """An Airflow connection id holding the credentials."""
     credsFile: str | None = None
+    """A NATS ``.creds`` file (JWT and NKey seed)."""
     userPasswordFile: str | None = None
+    """A file holding ``user:password``."""
     tokenFile: str | None = None
+    """A file holding a token."""
 
 
 def _persistence(value: Any) -> Any:
@@ -132,12 +165,21 @@ class JetStreamService(SpecModel):
     ``bufferConfig.stream.replicas``, at most ``replicas``."""
 
     url: str = "embedded"
+    """``embedded`` (the nats-server isbflow starts under the data dir) or ``nats://host:port``, several
+    comma separated. Default ``embedded``."""
     replicas: StrictInt | None = Field(default=None, ge=1, le=5)
+    """The JetStream servers the service must have, 1 to 5 (checked by ``isbflow isb apply``). Default: not
+    checked."""
     persistence: Annotated[bool, BeforeValidator(_persistence)] = True
+    """KV buckets on disk (true) or in memory (false). Default true."""
     settings: JetStreamSettings = Field(default_factory=JetStreamSettings)
+    """Server settings (a mapping, or Numaflow's YAML string)."""
     bufferConfig: BufferConfig = Field(default_factory=BufferConfig)
+    """The buffers' and the dead-letter stream's settings (a mapping, or Numaflow's YAML string)."""
     tls: Annotated[TLSConfig | None, BeforeValidator(_tls)] = None
+    """TLS to the service. Default: none (plain TCP)."""
     auth: AuthConfig | None = None
+    """Where the credentials are (never in the spec). Default: the embedded server's own."""
 
     @field_validator("settings")
     @classmethod
@@ -176,13 +218,20 @@ class JetStreamService(SpecModel):
 
 class InterStepBufferServiceSpec(SpecModel):
     jetstream: JetStreamService = Field(default_factory=JetStreamService)
+    """The JetStream service. Default: the embedded one with default settings."""
 
 
 class InterStepBufferService(SpecModel):
+    """The JetStream service a pipeline's buffers live on (Numaflow's kind of the same name)."""
+
     apiVersion: str | None = None
+    """``isbflow.io/v1alpha1``; any value is accepted (a Numaflow spec's too)."""
     kind: Literal["InterStepBufferService"]
+    """``InterStepBufferService``."""
     metadata: Metadata = Field(default_factory=lambda: Metadata(name="default"))
+    """The service's name (pipelines name it in ``interStepBufferServiceName``). Default ``default``."""
     spec: InterStepBufferServiceSpec = Field(default_factory=InterStepBufferServiceSpec)
+    """The service. Default: the embedded one with default settings."""
 
     @property
     def name(self) -> str:
