@@ -72,7 +72,7 @@ def check_name(value: str) -> str:
     return value
 
 
-#: :data:`NAME_PATTERN` in JSON Schema's dialect (no ``\\Z``; a schema's ``$`` has no newline exception)
+#: :data:`NAME_PATTERN` in JSON Schema's dialect (no ``\Z``; a schema's ``$`` has no newline exception)
 JSON_NAME_PATTERN = NAME_PATTERN.removesuffix(r"\Z") + "$"
 Name = Annotated[str, BeforeValidator(lambda v: check_name(v) if isinstance(v, str) else v,
                                       json_schema_input_type=Annotated[str, Field(pattern=JSON_NAME_PATTERN)])]

@@ -35,7 +35,6 @@ from pydantic import (
 from isbflow.spec import constants, derived, graph
 from isbflow.spec.conditions import ForwardConditions, TagConditions, TagOperator  # noqa: F401 - re-exported
 from isbflow.spec.constants import OnFull  # noqa: F401 - re-exported
-from isbflow.spec.expectations import catalog_problems
 from isbflow.spec.fields import (  # noqa: F401 - re-exported
     MAX_PARTITIONS,
     NAME_RE,
@@ -50,6 +49,14 @@ from isbflow.spec.fields import (  # noqa: F401 - re-exported
     is_absolute,
     one_of_message,
     parse_size,
+)
+from isbflow.spec.gates import (  # noqa: F401 - re-exported
+    SCHEDULE_PRESETS,
+    Expectation,
+    QualityGate,
+    QualityRetention,
+    Replay,
+    SinkQuality,
 )
 from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
     AuthConfig,
@@ -82,6 +89,8 @@ SOURCE_KINDS = ("jetstream", "files")
 
 
 class OnBufferLoss(StrEnum):
+    """What a step does when records it has not read are gone from its input buffer."""
+
     FAIL = "fail"
     REPLAY = "replay"
 
@@ -122,9 +131,16 @@ class Limits(SpecModel):
     """
 
     readBatchSize: StrictInt | None = Field(default=None, ge=1)
+    """The most records a step reads from its input in one micro-batch. Default 100000."""
     bufferMaxLength: StrictInt | None = Field(default=None, ge=1)
-    bufferUsageLimit: Annotated[float | None, BeforeValidator(_usage_percent)] = None
+    """The most records one partition of a buffer holds that its reader has not committed; past
+    ``bufferUsageLimit`` percent of it, writers apply ``onFull``. Default 1000000."""
+    bufferUsageLimit: Annotated[float | None, BeforeValidator(
+        _usage_percent, json_schema_input_type=Annotated[int, Field(ge=1, le=100)] | None)] = None
+    """Percent (1 to 100, as in Numaflow) of ``bufferMaxLength`` at which a buffer counts as full. Default 80."""
     readTimeout: Duration | None = Field(default=None, ge=0.01, le=3600.0)
+    """A step's latency budget: the micro-batch trigger interval of a source step, a duration (``5s``) or
+    seconds, from 10 ms to 1 h. Default 5 s (Numaflow's is 1 s)."""
 
     @field_serializer("bufferUsageLimit")
     def _as_percent(self, v: float | None) -> int | None:
@@ -139,7 +155,11 @@ class JetStreamSource(SpecModel):
     """External producers publish one JSON event per message on ``subject``."""
 
     subject: str
+    """The NATS subject producers publish on, e.g. ``logs.events`` (tokens of letters, digits, '_' and
+    '-' joined by '.'; no wildcards)."""
     stream: Name | None = None
+    """The JetStream stream holding ``subject``. Default: ``src-<pipeline>-<vertex>``, created by
+    ``isbflow isb apply``."""
 
     @field_validator("subject")
     @classmethod
@@ -164,12 +184,18 @@ class FilesSource(SpecModel):
     """A landing folder of JSON-lines files."""
 
     path: SafePath
+    """The landing folder, relative to the data dir (``ISBFLOW_HOME``) unless absolute."""
     pattern: str = "*.jsonl"
+    """A glob of the file names read (other files, e.g. ``*.tmp``, are never read). Default ``*.jsonl``."""
 
 
 class Source(SpecModel):
+    """Where a source vertex reads events: exactly one of ``jetstream`` or ``files``."""
+
     jetstream: JetStreamSource | None = None
+    """Read JSON events published on a NATS JetStream subject."""
     files: FilesSource | None = None
+    """Read JSON-lines files landed in a folder."""
     schema_: str | None = Field(default=None, alias="schema")
     """Spark DDL of one event, e.g. ``"ts TIMESTAMP, service STRING, msg STRING"``."""
 
@@ -185,7 +211,9 @@ class Reference(SpecModel):
     """A reference table (Kafka Streams' GlobalKTable) kept in a KV bucket."""
 
     name: Name
+    """The table's name; the transform receives it as a keyword argument (``-`` read as ``_``)."""
     key: str
+    """The key column the table's rows are stored and joined by."""
 
 
 class OutputMode(StrEnum):
@@ -210,9 +238,14 @@ class Udf(SpecModel):
     """
 
     transform: str
+    """The transform, ``package.module:function``: a function DataFrame -> DataFrame, e.g.
+    ``spark_apps.logs:parse``."""
     references: list[Reference] = Field(default_factory=list)
+    """Reference tables the transform joins against, each passed as a keyword argument. Default: none."""
     output: OutputMode = OutputMode.APPEND
+    """``append`` (each row once) or ``update`` (a streaming aggregation's current rows). Default ``append``."""
     keys: list[str] = Field(default_factory=list, validate_default=True)
+    """With ``output: update``: the columns that identify a result row, which the sink upserts on."""
 
     @field_validator("transform")
     @classmethod
@@ -241,17 +274,31 @@ class Udf(SpecModel):
 
 
 class Vertex(SpecModel):
+    """A step of the pipeline: exactly one of ``source``, ``udf`` or ``sink``."""
+
     name: Name
+    """The vertex's name, unique in the pipeline (edges name it)."""
     source: Source | None = None
+    """Makes this vertex a source: where events come from."""
     udf: Udf | None = None
+    """Makes this vertex a Spark transform step."""
     sink: Sink | None = None
+    """Makes this vertex a sink: the table its input lands in."""
     partitions: StrictInt = Field(default=1, le=MAX_PARTITIONS)
+    """Partitions of this vertex's input buffer (one stream each, read in parallel), 1 to 64. Default 1;
+    a source vertex has none of its own."""
     limits: Limits | None = None
+    """This vertex's limits, over the pipeline's ``limits``."""
     onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
+    """What writers to this vertex's buffer do when it is full: ``retryUntilSuccess`` (wait: back-pressure)
+    or ``discardLatest`` (drop and count). Default ``retryUntilSuccess``."""
     onBufferLoss: OnBufferLoss = OnBufferLoss.FAIL
-    #: a record no out edge's ``conditions.tags`` take: dropped and counted (Numaflow's rule), or
-    #: dead-lettered with its tags as the reason; only on a udf with conditional out edges
+    """When records this step has not read are gone from its input buffer: ``fail`` (the step stops, naming
+    the stream and the lost range) or ``replay`` (the loss is logged and recorded in the offsets, and the step
+    goes on from what the buffer holds now). Default ``fail``."""
     onUnrouted: OnUnrouted = OnUnrouted.DROP
+    """A record no out edge's ``conditions.tags`` take: ``drop`` (counted, Numaflow's rule) or
+    ``deadLetter`` (with its tags as the reason); only on a udf with conditional out edges. Default ``drop``."""
 
     @field_validator("partitions")
     @classmethod
@@ -284,123 +331,19 @@ class Vertex(SpecModel):
 
 
 class Edge(SpecModel):
+    """A buffer between two vertices: ``from`` writes it, ``to`` reads it."""
+
     # `from` is a Python keyword: the attribute is `from_`, the YAML key `from`.
     from_: str = Field(alias="from")
+    """The vertex the edge leaves."""
     to: str
+    """The vertex the edge enters (its buffer is this vertex's input)."""
     partitionKey: str | None = None
-    #: only records whose ``_tags`` match reach this edge (:mod:`isbflow.steps.routing`)
+    """The column whose value picks the partition of ``to``'s buffer: records with the same value go to the
+    same partition, in order. Default: spread evenly."""
     conditions: ForwardConditions | None = None
-
-
-class QualityGate(StrEnum):
-    FAIL = "fail"
-    WARN = "warn"
-
-
-class Expectation(SpecModel):
-    """One GX expectation by its name, e.g. ``expect_column_values_to_not_be_null``.
-
-    The name must be one of GX's registered expectations and the argument
-    names known and complete (checked against the catalog of
-    :mod:`isbflow.spec.expectations`, without importing GX); values are
-    checked by constructing the GX expectation (``isbflow quality check`` and
-    every quality run).
-    """
-
-    expectation: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("expectation")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        problems = [m for f, m in catalog_problems(v, {}) if f == "expectation"]
-        if problems:
-            raise ValueError(problems[0])
-        return v
-
-    @field_validator("kwargs")
-    @classmethod
-    def _arguments(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        name = info.data.get("expectation")
-        if isinstance(name, str):  # an unknown name was reported on its own field
-            problems = [f"{f.removeprefix('kwargs.')}: {m}" for f, m in catalog_problems(name, v)]
-            if problems:
-                raise ValueError("; ".join(problems))
-        return v
-
-
-class QualityRetention(SpecModel):
-    """How many quality reports a sink keeps: the newest ``runs``, none older than ``maxAge``.
-
-    Either bound may be left out (``null``); the older runs are pruned after each
-    run and the pruning is reported.
-    """
-
-    runs: StrictInt | None = Field(default=50, ge=1)
-    maxAge: Duration | None = None
-
-
-class SinkQuality(SpecModel):
-    """The quality gate of one sink: its expectations on top of the built-in checks.
-
-    ``freshness``: the newest event may be at most this old (built-in check);
-    ``schedule``: a cron expression or preset for the control plane (not used
-    by ``isbflow quality run``, which runs now).
-    """
-
-    sink: str
-    expectations: list[Expectation] = Field(default_factory=list)
-    onFailure: QualityGate = QualityGate.FAIL
-    schedule: str | None = None
-    freshness: Duration | None = None
-    retention: QualityRetention = Field(default_factory=QualityRetention)
-
-
-#: Airflow's cron presets; anything else must be a cron expression
-SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
-
-
-class Replay(SpecModel):
-    """A scheduled replay: the Airflow DAG ``replay_<pipeline>_<name>`` runs it on ``schedule``.
-
-    ``fromTime``/``toTime`` bound a ``reprocess`` by event time, written as the
-    time expressions of :mod:`isbflow.spec.times` (``yesterday``, ``today``,
-    ``-6h``, an ISO date...), resolved against each run's data interval; left
-    out, that side is open. A ``recover`` replay takes no range (it replays from
-    the offset ledger's low offsets).
-    """
-
-    name: Name
-    mode: Literal["recover", "reprocess"] = "reprocess"
-    schedule: str
-    fromTime: str | None = None
-    toTime: str | None = None
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule(cls, v: str) -> str:
-        if v.strip() in SCHEDULE_PRESETS:
-            return v.strip()
-        # lazy: croniter (Airflow's own cron parser) is Airflow's dependency, not a direct one of
-        # isbflow's; only a cron `schedule` needs it
-        from croniter import croniter
-
-        if v.startswith("@") or not croniter.is_valid(v):
-            raise ValueError(f"{v!r} is not a cron expression (e.g. '0 2 * * *') or one of "
-                             f"{', '.join(SCHEDULE_PRESETS)}")
-        return v
-
-    @field_validator("fromTime", "toTime")
-    @classmethod
-    def _time(cls, v: str | None) -> str | None:
-        return None if v is None else check_time_expression(v)
-
-    @model_validator(mode="after")
-    def _range_fits_mode(self) -> Replay:
-        if self.mode == "recover" and (self.fromTime or self.toTime):
-            raise ValueError("a recover replay takes no fromTime/toTime: it replays from the offset "
-                             "ledger's low offsets (use mode: reprocess for a time range)")
-        return self
+    """Only records whose ``_tags`` match reach this edge (Numaflow's conditional forwarding). Default: every
+    record."""
 
 
 _PACKAGE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -411,13 +354,23 @@ class PipelineSpec(SpecModel):
     holding the spec) whose modules the udfs' transforms may name; see :mod:`isbflow.spec.transforms`."""
 
     interStepBufferServiceName: Name = "default"
+    """The InterStepBufferService whose JetStream holds the buffers. Default ``default``."""
     limits: Limits | None = None
+    """Limits of every vertex, unless a vertex sets its own."""
     vertices: list[Vertex]
+    """The steps: sources, udfs (Spark transforms) and sinks."""
     edges: list[Edge] = Field(default_factory=list)
+    """The buffers between vertices; the graph has no cycle."""
     quality: list[SinkQuality] = Field(default_factory=list)
+    """Quality gates of the sinks. Default: none."""
     replays: list[Replay] = Field(default_factory=list)
+    """Scheduled replays, each an Airflow DAG. Default: none."""
     autoRecover: bool = False
+    """When the watchdog DAG finds a problem (a stale step, a lost buffer ...), it starts a recovery
+    (``pipeline_replay`` in recover mode) instead of failing. Default false."""
     transformPackages: list[str] = Field(default_factory=list)
+    """Python packages, besides ``spark_apps`` and the spec's own, whose modules transforms may name.
+    Default: none."""
 
     @field_validator("transformPackages")
     @classmethod
@@ -441,10 +394,16 @@ class PipelineSpec(SpecModel):
 
 
 class Pipeline(SpecModel):
+    """A pipeline: vertices (source, udf and sink steps) joined by edges (buffers on JetStream)."""
+
     apiVersion: str | None = None
+    """``isbflow.io/v1alpha1``; any value is accepted (a Numaflow spec's too)."""
     kind: Literal["Pipeline"]
+    """``Pipeline``."""
     metadata: Metadata
+    """The pipeline's name (in every stream, bucket and DAG of it), labels and annotations."""
     spec: PipelineSpec
+    """The pipeline itself."""
 
     @property
     def name(self) -> str:
