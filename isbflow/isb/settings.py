@@ -13,7 +13,8 @@ names). :func:`resolve_settings` finds the settings, in this order:
    ``ISBFLOW_HOME``), written by ``isbflow nats up``.
 
 Credentials come from the URL (``nats://user:pass@host``), the spec's ``auth``
-files, or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``;
+files (only from the secrets folder, :func:`isbflow.spec.paths.secrets_dir`;
+relative to the data dir), or ``NATS_CREDS`` / ``NATS_USER`` + ``NATS_PASSWORD`` / ``NATS_TOKEN``;
 TLS files from ``NATS_TLS_CA`` / ``NATS_TLS_CERT`` + ``NATS_TLS_KEY``
 (``NATS_TLS_INSECURE``).
 """
@@ -32,6 +33,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from isbflow.isb import roles
 from isbflow.isb.errors import ConnectorOptionError
 from isbflow.isb.server import EmbeddedNatsError, read_state, role_password_file
+from isbflow.spec.paths import SecretFileError, secret_file
 
 if TYPE_CHECKING:
     from isbflow.spec.models import InterStepBufferService
@@ -198,13 +200,20 @@ def resolve_settings(
     if jet is not None:
         if jet.auth is not None:
             a = jet.auth
+
+            def secret(field: str, path: str) -> str:
+                try:
+                    return str(secret_file(path, f"jetstream.auth.{field}", data_dir))
+                except SecretFileError as e:
+                    raise IsbUnreachable(f"ISB service {service.name!r}: {e}") from None
+
             if a.credsFile:
-                settings = replace(settings, creds_file=a.credsFile)
+                settings = replace(settings, creds_file=secret("credsFile", a.credsFile))
             if a.userPasswordFile:
-                user, _, password = _read_secret(a.userPasswordFile).partition(":")
+                user, _, password = _read_secret(secret("userPasswordFile", a.userPasswordFile)).partition(":")
                 settings = replace(settings, user=user, password=password)
             if a.tokenFile:
-                settings = replace(settings, token=_read_secret(a.tokenFile))
+                settings = replace(settings, token=_read_secret(secret("tokenFile", a.tokenFile)))
         if jet.tls is not None:
             settings = replace(
                 settings,

@@ -39,8 +39,10 @@ output schema, :func:`pg_type` maps Spark's types), keyed as above.
 
 Passwords: the writer is built with the spec's connection settings only; the
 password is resolved on the driver when it connects (:func:`connect_kwargs`)
-from ``AIRFLOW_CONN_<ID>`` (an Airflow connection) or ``passwordFile`` /
-``passwordEnv`` (with a ``dsn``). It is never in Spark's options and is
+from ``AIRFLOW_CONN_<ID>`` (an Airflow connection of type postgres: any other
+type is refused, :func:`check_connection_type`) or ``passwordFile`` (a file in
+the secrets folder, :func:`isbflow.spec.paths.secret_file`) / ``passwordEnv``
+(with a ``dsn``). It is never in Spark's options and is
 scrubbed from the errors raised here.
 """
 
@@ -51,7 +53,6 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pyarrow as pa
@@ -66,11 +67,14 @@ from isbflow.sinks.pg_write import (  # noqa: F401 - PostgresSinkError, table_co
     table_columns,
     write_rows,
 )
+from isbflow.spec.paths import SecretFileError, secret_file
 from isbflow.spec.postgres import PostgresSink
 
 _log = logging.getLogger(__name__)
 
 BOOKKEEPING_TABLE = "isb_sink_batches"
+#: the Airflow connection types a postgres sink's ``connection`` may name (JSON ``conn_type``, URI scheme)
+CONNECTION_TYPES = ("postgres", "postgresql")
 MODES = ("append", "merge", "upsert")
 
 
@@ -103,9 +107,34 @@ def connection_env(conn_id: str) -> str:
     return "AIRFLOW_CONN_" + conn_id.upper().replace("-", "_").replace(".", "_")
 
 
-def airflow_connection(conn_id: str, environ: dict[str, str] | None = None) -> dict[str, object]:
+def connection_type(value: str) -> str:
+    """The type of an ``AIRFLOW_CONN_<ID>`` value: Airflow's JSON form's ``conn_type``, else the URI's
+    scheme ('' when it names none)."""
+    if value.lstrip().startswith("{"):
+        try:
+            c = json.loads(value)
+        except json.JSONDecodeError:
+            return ""
+        return str(c.get("conn_type") or "") if isinstance(c, dict) else ""
+    return urlsplit(value.strip()).scheme
+
+
+def check_connection_type(conn_id: str, value: str, where: str = "postgres sink") -> None:
+    """:class:`PostgresSinkError` unless ``value`` (``AIRFLOW_CONN_<ID>`` of ``conn_id``) is a PostgreSQL
+    connection: a spec's ``connection`` must not reach another service's credentials (the ISB's
+    ``nats_default``, a cloud key) through the sink."""
+    kind = connection_type(value)
+    if kind.lower() not in CONNECTION_TYPES:
+        raise PostgresSinkError(
+            f"{where}: sink.postgres.connection {conn_id!r} ({connection_env(conn_id)}) is a connection of type "
+            f"{kind or 'unknown'!r}, not postgres: name an Airflow connection of type postgres")
+
+
+def airflow_connection(conn_id: str, environ: dict[str, str] | None = None,
+                       where: str = "postgres sink") -> dict[str, object]:
     """psycopg keyword arguments of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>``
-    (URI ``postgres://user:pass@host:port/db?sslmode=...`` or Airflow's JSON form)."""
+    (URI ``postgres://user:pass@host:port/db?sslmode=...`` or Airflow's JSON form, ``conn_type``
+    postgres); :class:`PostgresSinkError` for a connection of another type (``where`` names the sink)."""
     env = os.environ if environ is None else environ
     name = connection_env(conn_id)
     value = env.get(name)
@@ -113,6 +142,7 @@ def airflow_connection(conn_id: str, environ: dict[str, str] | None = None) -> d
         raise PostgresSinkError(f"Airflow connection {conn_id!r} is not defined: set {name} (URI "
                                 "postgres://user:password@host:port/db, or Airflow's JSON form) in the "
                                 "environment the step runs in")
+    check_connection_type(conn_id, value, where)
     if value.lstrip().startswith("{"):
         try:
             c = json.loads(value)
@@ -125,8 +155,6 @@ def airflow_connection(conn_id: str, environ: dict[str, str] | None = None) -> d
                "password": c.get("password"), "dbname": c.get("schema")}
     else:
         parts = urlsplit(value)
-        if parts.scheme not in ("postgres", "postgresql"):
-            raise PostgresSinkError(f"{name}: connection type {parts.scheme!r} is not postgres")
         extra = dict(parse_qsl(parts.query))
         out = {"host": parts.hostname, "port": parts.port, "user": unquote(parts.username or "") or None,
                "password": unquote(parts.password) if parts.password is not None else None,
@@ -140,7 +168,7 @@ def connect_kwargs(target: PostgresTarget) -> dict[str, object]:
     """The psycopg ``connect`` arguments of a sink, its password resolved here (driver only)."""
     spec, env = target.spec, (os.environ if target.environ is None else target.environ)
     if spec.connection:
-        kw = airflow_connection(spec.connection, env)
+        kw = airflow_connection(spec.connection, env, target.where)
     else:
         kw = {"conninfo": spec.dsn}
         if spec.passwordEnv:
@@ -148,8 +176,10 @@ def connect_kwargs(target: PostgresTarget) -> dict[str, object]:
                 raise PostgresSinkError(f"{target.where}: passwordEnv {spec.passwordEnv} is not set")
             kw["password"] = env[spec.passwordEnv]
         elif spec.passwordFile:
-            path = Path(spec.passwordFile).expanduser()
-            path = path if path.is_absolute() else Path(target.data_dir) / path
+            try:
+                path = secret_file(spec.passwordFile, "sink.postgres.passwordFile", target.data_dir)
+            except SecretFileError as e:
+                raise PostgresSinkError(f"{target.where}: {e}") from None
             try:
                 mode = path.stat().st_mode
                 if mode & 0o077:

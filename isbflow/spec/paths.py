@@ -140,3 +140,40 @@ def query_name(vertex: str, to: str | None) -> str:
     """A step's query: ``vertex`` (a sink, or a vertex with several out edges) or ``vertex-to-to``
     (one out edge)."""
     return vertex if to is None else f"{vertex}-to-{to}"
+
+
+#: the environment variable naming the folder a spec's secret files must be in (:func:`secrets_dir`)
+SECRETS_ENV = "ISBFLOW_SECRETS_DIR"
+
+
+class SecretFileError(ValueError):
+    """A spec names a secret file outside the secrets folder; the message names the field and the folder."""
+
+
+def secrets_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The only folder a spec's secret files (a postgres sink's ``passwordFile``, the ISB service's
+    ``auth.userPasswordFile``, ``auth.tokenFile`` and ``auth.credsFile``) are read from:
+    ``ISBFLOW_SECRETS_DIR``, default ``<data dir>/secrets`` (the data dir: ``data_dir``, else
+    ``ISBFLOW_HOME``, else ``.isbflow``). A spec then cannot send any file its user may read (an
+    owner-only key, the ISB admin's password) to a host the spec names."""
+    configured = os.environ.get(SECRETS_ENV)
+    if configured:
+        return Path(configured)
+    return Path(data_dir if data_dir is not None else os.environ.get("ISBFLOW_HOME", ".isbflow")) / "secrets"
+
+
+def secret_file(path: str, field: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """The real path of the secret file ``path`` names for spec field ``field`` (a relative path is
+    relative to the data dir, as :func:`secrets_dir` finds it): it must lie inside :func:`secrets_dir`
+    once symlinks are resolved, else :class:`SecretFileError` naming the field and the folder.
+    Whether the file exists is the reader's to say."""
+    base = Path(data_dir if data_dir is not None else os.environ.get("ISBFLOW_HOME", ".isbflow"))
+    named = Path(path).expanduser()
+    real = Path(os.path.realpath(named if named.is_absolute() else base / named))
+    folder = secrets_dir(data_dir)
+    top = Path(os.path.realpath(folder))
+    if real == top or top not in real.parents:
+        raise SecretFileError(
+            f"{field} {path!r} is outside the secrets folder {folder}: secret files a spec names are read "
+            f"only from there (set {SECRETS_ENV} to choose it); move the file into it")
+    return real

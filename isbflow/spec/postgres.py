@@ -2,12 +2,14 @@
 
 Where the server is comes from exactly one of:
 
-- ``connection``: an Airflow connection id (conn type ``postgres``). The step's
-  driver reads it from ``AIRFLOW_CONN_<ID>`` (Airflow's own environment form, URI
-  or JSON), so the password lives where Airflow keeps it;
+- ``connection``: an Airflow connection id (conn type ``postgres``; a connection
+  of any other type is refused, never passed to the driver). The step's driver
+  reads it from ``AIRFLOW_CONN_<ID>`` (Airflow's own environment form, URI or
+  JSON), so the password lives where Airflow keeps it;
 - ``dsn``: a libpq connection string or ``postgresql://`` URI **without a
-  password**, plus ``passwordFile`` (an owner-only file) or ``passwordEnv`` (an
-  environment variable's name) when the server asks for one.
+  password**, plus ``passwordFile`` (an owner-only file in the secrets folder,
+  :func:`isbflow.spec.paths.secrets_dir`; relative to the data dir) or
+  ``passwordEnv`` (an environment variable's name) when the server asks for one.
 
 No password is ever in the spec (a ``dsn`` holding one is refused) nor in
 Spark's options: the driver resolves it when it connects.

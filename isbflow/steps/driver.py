@@ -25,7 +25,7 @@ from pathlib import Path
 
 from isbflow.isb.connect import NatsSettings
 from isbflow.local.files import LOG_MAX_BYTES, rotate_log
-from isbflow.sinks.postgres import connection_env
+from isbflow.sinks.postgres import PostgresSinkError, check_connection_type, connection_env
 from isbflow.spec.models import Pipeline
 
 #: the environment variable naming a launched driver's own log file (module docstring)
@@ -77,11 +77,24 @@ def settings_env(settings: NatsSettings) -> dict[str, str]:
 def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The ``AIRFLOW_CONN_<ID>`` variables (from ``base``, default ``os.environ``) of the Airflow
     connections pipeline ``p``'s PostgreSQL sinks name, and only those: a launched driver's
-    environment (:func:`driver_env`) has no other Airflow variable."""
+    environment (:func:`driver_env`) has no other Airflow variable. :class:`LaunchError` when a sink
+    names a connection that is not of type postgres (the ISB's ``nats_default``, say): it is never
+    passed on."""
     src = os.environ if base is None else base
-    names = [connection_env(v.sink.postgres.connection) for v in p.spec.vertices
-             if v.sink is not None and v.sink.postgres is not None and v.sink.postgres.connection]
-    return {n: src[n] for n in names if n in src}
+    out: dict[str, str] = {}
+    for v in p.spec.vertices:
+        if v.sink is None or v.sink.postgres is None or not v.sink.postgres.connection:
+            continue
+        conn_id = v.sink.postgres.connection
+        name = connection_env(conn_id)
+        if name not in src:
+            continue  # not defined: the sink's own error names the variable
+        try:
+            check_connection_type(conn_id, src[name], f"pipeline {p.name!r}, postgres sink {v.name!r}")
+        except PostgresSinkError as e:
+            raise LaunchError(str(e)) from None
+        out[name] = src[name]
+    return out
 
 
 #: glibc's malloc arenas for a driver's processes (``MALLOC_ARENA_MAX``; a user's value is kept). glibc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from isbflow.isb.connect import (
 )
 from isbflow.isb.server import HOST, free_port, start_embedded, stop_embedded
 from isbflow.spec.models import InterStepBufferService
+from isbflow.spec.paths import SECRETS_ENV
 
 
 def _service(**jetstream) -> InterStepBufferService:
@@ -73,14 +75,38 @@ def test_wrong_password_and_anonymous_are_refused(nats_server):
         assert "not-the-password" not in str(e.value)
 
 
-def test_credentials_from_spec_file(nats_server, tmp_path):
+def test_credentials_from_spec_file(nats_server, tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRETS_ENV, raising=False)
     password = nats_server.state.password
-    creds = tmp_path / "userpass"
+    (tmp_path / "none" / "secrets").mkdir(parents=True)
+    creds = tmp_path / "none" / "secrets" / "userpass"
     creds.write_text(f"isbflow:{password}\n")
-    service = _service(url=_anonymous(nats_server.url), auth={"userPasswordFile": str(creds)})
-    settings = resolve_settings(service=service, data_dir=tmp_path / "none")
-    assert settings.user == "isbflow" and settings.password == password
+    for path in (str(creds), "secrets/userpass"):  # relative: to the data dir
+        service = _service(url=_anonymous(nats_server.url), auth={"userPasswordFile": path})
+        settings = resolve_settings(service=service, data_dir=tmp_path / "none")
+        assert settings.user == "isbflow" and settings.password == password
     assert asyncio.run(_roundtrip(settings)) == b"pong"
+
+
+def test_spec_named_secret_files_only_from_the_secrets_folder(nats_server, tmp_path, monkeypatch):
+    """auth files must not send an owner-only file of this host (the embedded server's admin
+    password) to the server the spec names: only files in the secrets folder, symlinks resolved."""
+    monkeypatch.delenv(SECRETS_ENV, raising=False)
+    admin = nats_server.data_dir / "nats" / "password"
+    assert admin.is_file()
+    secrets = nats_server.data_dir / "secrets"
+    secrets.mkdir()
+    (secrets / "escape").symlink_to(admin)
+    url = "nats://attacker.example:4222"
+    for field in ("tokenFile", "userPasswordFile", "credsFile"):
+        for path in (str(admin), "nats/password", "secrets/escape"):
+            service = _service(url=url, auth={field: path})
+            with pytest.raises(IsbUnreachable, match=rf"jetstream.auth.{field} '{re.escape(path)}' is outside the "
+                               rf"secrets folder {re.escape(str(secrets))}.*ISBFLOW_SECRETS_DIR"):
+                resolve_settings(service=service, data_dir=nats_server.data_dir)
+    monkeypatch.setenv(SECRETS_ENV, str(admin.parent))  # a configured folder
+    token = resolve_settings(service=_service(url=url, auth={"tokenFile": str(admin)}), data_dir=nats_server.data_dir)
+    assert token.token == nats_server.state.password
 
 
 def test_reconnects_after_connecting(nats_server):

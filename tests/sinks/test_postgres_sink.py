@@ -12,8 +12,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 
 import psycopg
 import pyarrow as pa
@@ -27,7 +29,9 @@ from isbflow.sinks.postgres import (
     commit_batch,
     committed_offsets,
     connect,
+    connect_kwargs,
 )
+from isbflow.spec.paths import SECRETS_ENV
 from isbflow.spec.postgres import PostgresSink
 from tests.helpers.postgres import HOST, Postgres, running_postgres
 
@@ -153,12 +157,14 @@ def test_a_schema_qualified_table_gets_its_schema_and_bookkeeping(pg):
     assert query(pg, "SELECT count(*) FROM landing.isb_sink_batches") == [(1,)]
 
 
-def test_a_dsn_with_a_password_file(pg, tmp_path):
-    pw = tmp_path / "pw"
+def test_a_dsn_with_a_password_file(pg, tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRETS_ENV, raising=False)
+    (tmp_path / "secrets").mkdir()
+    pw = tmp_path / "secrets" / "pw"
     pw.write_text(pg.password + "\n")
     pw.chmod(0o644)
     spec = PostgresSink(table="by_dsn", dsn=f"host={HOST} port={pg.port} dbname={pg.db} user={pg.user}",
-                        passwordFile="pw")
+                        passwordFile="secrets/pw")
     t = PostgresTarget(sink="raw", spec=spec, app_id="p/raw", data_dir=str(tmp_path), environ={})
     with pytest.raises(PostgresSinkError, match=r"passwordFile .*/pw is readable by others \(mode 644\): chmod 600"):
         commit_batch(t, batch(range(1, 4)), 0)
@@ -205,8 +211,48 @@ def test_airflow_connection_forms():
                                             "schema": "d", "port": 5432, "extra": {"sslmode": "disable"}})}
     assert airflow_connection("my-pg", js) == {"host": "h", "port": 5432, "user": "u", "password": "pw",
                                                "dbname": "d", "sslmode": "disable"}
-    with pytest.raises(PostgresSinkError, match="connection type 'mysql' is not postgres"):
+    with pytest.raises(PostgresSinkError, match="'pg' \\(AIRFLOW_CONN_PG\\) is a connection of type 'mysql', not postgres"):
         airflow_connection("pg", {"AIRFLOW_CONN_PG": "mysql://u:p@h/d"})
+
+
+def test_a_connection_of_another_type_is_refused_whatever_its_form():
+    """A spec's connection must not take the ISB admin's (nats_default, Airflow's JSON form) or any
+    other service's credentials to a host of its choosing."""
+    nats = json.dumps({"conn_type": "nats", "host": "127.0.0.1:4222", "login": "isbflow", "password": "admin-pw"})
+    for value in (nats, json.dumps({"host": "h", "login": "u", "password": "p"}), "aws://key:secret@"):
+        with pytest.raises(PostgresSinkError, match=r"sink.postgres.connection 'nats_default' "
+                           r"\(AIRFLOW_CONN_NATS_DEFAULT\) is a connection of type '\w+', not postgres") as e:
+            connect_kwargs(PostgresTarget(sink="raw", spec=PostgresSink(table="t", connection="nats_default"),
+                                          app_id="p/raw", environ={"AIRFLOW_CONN_NATS_DEFAULT": value}))
+        assert "postgres sink 'raw'" in str(e.value) and "admin-pw" not in str(e.value)
+
+
+def test_a_password_file_is_read_only_from_the_secrets_folder(tmp_path, monkeypatch):
+    """passwordFile must not send an owner-only file of this host (the ISB admin's password, a key)
+    to the server the spec names: only files in the secrets folder, symlinks resolved."""
+    monkeypatch.delenv(SECRETS_ENV, raising=False)
+    data = tmp_path / "data"
+    (data / "nats").mkdir(parents=True)
+    (data / "secrets").mkdir()
+    admin = data / "nats" / "password"
+    admin.write_text("admin-pw\n")
+    admin.chmod(0o600)
+    (data / "secrets" / "pg").write_text("pg-pw\n")
+    (data / "secrets" / "pg").chmod(0o600)
+    (data / "secrets" / "link").symlink_to(admin)
+
+    def password(path: str, where: Path = data) -> object:
+        spec = PostgresSink(table="t", dsn="host=db.example user=u", passwordFile=path)
+        return connect_kwargs(PostgresTarget(sink="raw", spec=spec, app_id="p/raw", data_dir=str(where),
+                                             environ={}))["password"]
+
+    assert password("secrets/pg") == password(str(data / "secrets" / "pg")) == "pg-pw"
+    for path in (str(admin), "nats/password", "secrets/link", "secrets/../nats/password"):
+        with pytest.raises(PostgresSinkError, match=rf"postgres sink 'raw' .*: sink.postgres.passwordFile "
+                           rf"'{re.escape(path)}' is outside the secrets folder {re.escape(str(data / 'secrets'))}"):
+            password(path)
+    monkeypatch.setenv(SECRETS_ENV, str(data / "nats"))  # a configured folder
+    assert password(str(admin)) == "admin-pw"
 
 
 def edge_values(nested: bool) -> pa.Table:

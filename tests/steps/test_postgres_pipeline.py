@@ -34,7 +34,7 @@ from isbflow.recovery.recover import recover
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 from isbflow.steps import sink_policy
-from isbflow.steps.driver import sink_connections
+from isbflow.steps.driver import LaunchError, sink_connections
 from isbflow.steps.pg_sink import postgres_writer
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
@@ -234,6 +234,11 @@ def test_only_the_sinks_connections_reach_a_launched_driver(tmp_path):
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://a:b@h/airflow", "HOME": "/root"}
     assert sink_connections(p, base) == {"AIRFLOW_CONN_PG_SINKS": "postgres://u:p@h/d"}
     assert sink_connections(p, {}) == {}  # not defined: the sink's own error names the variable
+    # a connection of another type (the ISB admin's nats_default, say) is refused, never passed on
+    nats = json.dumps({"conn_type": "nats", "host": "127.0.0.1:4222", "login": "isbflow", "password": "admin"})
+    with pytest.raises(LaunchError, match=r"pipeline 'pgsink', postgres sink 'events': sink.postgres.connection "
+                       r"'pg_sinks' \(AIRFLOW_CONN_PG_SINKS\) is a connection of type 'nats', not postgres"):
+        sink_connections(p, {"AIRFLOW_CONN_PG_SINKS": nats})
 
 
 def with_policy(line: str, fallback: str) -> str:
