@@ -11,7 +11,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(VENV)/bin/python
 export SPARK_LOCAL_IP := 127.0.0.1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test venv lint bench clean
+.PHONY: run test venv lint bench docs clean
 
 venv: $(VENV)/.synced
 
@@ -38,6 +38,10 @@ lint: venv
 
 bench: venv
 	$(VENV)/bin/python bench/throughput.py
+
+# the docs site (mkdocs.yml, docs/) on http://127.0.0.1:8000; tests/test_docs.py builds it --strict
+docs: venv
+	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 clean:
 	rm -rf .isbflow bench/results/*.json
