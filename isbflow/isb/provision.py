@@ -50,6 +50,8 @@ Contract of :func:`apply` (idempotent; a second run reports every resource
 1. **plan**, changing nothing: every resource is read from the server and every
    differing field classified (:mod:`isbflow.isb.provision_plan`): *in place, safe*;
    *may discard unread messages*; *needs a recreate* (storage, retention).
+   A source naming a stream, or a subject that falls on a stream, whose metadata names another
+   pipeline is refused first (:mod:`isbflow.isb.owners`), naming the owner.
 2. **all or nothing**: when any change is refused, nothing at all is applied, every
    buffer stays as it was, and :class:`ProvisionRefused` names each refused stream,
    field, old -> new and unread count. Refused: a recreate without ``recreate=True``;
@@ -81,6 +83,7 @@ from nats.errors import Error as NatsError
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
+from isbflow.isb import owners
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.provision_plan import (
     Holding,
@@ -116,7 +119,9 @@ from isbflow.isb.provision_resources import (
 )
 from isbflow.isb.release import interest_hold_consumer
 from isbflow.isb.server import HOST, EmbeddedNatsError, read_state
+from isbflow.spec import derived
 from isbflow.spec.load import Specs
+from isbflow.spec.models import Pipeline
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -273,6 +278,25 @@ async def _check_service(nc: nats.aio.client.Client, specs: Specs, pipeline: str
         raise ProvisionError(f"{where}: stream {first.name} and the others need {want} replicas{_replicas_hint(want)}")
 
 
+async def _owned_elsewhere(nc: nats.aio.client.Client, js: JetStreamContext, p: Pipeline) -> list[str]:
+    """The streams and subjects ``p``'s sources name that a stream of another pipeline holds (its
+    metadata names that pipeline: :mod:`isbflow.isb.owners`), one line each naming the owner."""
+    mine = [c for c in derived.claims(p) if c.identity[0] in ("named-stream", "source-subject")]
+    found: dict[str, StreamInfo] = {}
+    for c in mine:
+        if c.kind == "stream":
+            names = [c.name]
+        else:  # the streams whose subjects take this one
+            reply = await nc.request("$JS.API.STREAM.NAMES", json.dumps({"subject": c.name}).encode(),
+                                         timeout=10)
+            names = json.loads(reply.data).get("streams") or []
+        for n in names:
+            if n not in found and (info := await _info(js, n)) is not None:
+                found[n] = info
+    held = owners.server_claims((i.config.name, i.config.subjects or [], i.config.metadata) for i in found.values())
+    return owners.foreign(mine, held)
+
+
 async def _ensure_hold(js: JetStreamContext, r: Resource) -> None:
     """Interest streams keep nothing without a consumer (checked on nats-server 2.15.1:
     5 published, 0 stored): give each one the durable hold consumer, so messages stay
@@ -384,6 +408,12 @@ async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = Non
         except ProvisionError as e:
             e.report = report
             raise
+        foreign = await _owned_elsewhere(nc, js, p)
+        if foreign:
+            raise ProvisionRefused("refused, nothing was applied: the spec's sources name streams or subjects "
+                                   "another pipeline owns (isbflow created them for it):\n"
+                                   + "\n".join(f"  {line}" for line in foreign)
+                                   + "\n  -> name your producers' own stream and subject", report)
         plans = await _plan(js, resources)
         for rp in plans:
             rp.decide(recreate, force)

@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from isbflow.isb import readiness, roles
+from isbflow.isb import owners, readiness, roles
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
 from isbflow.spec.paths import DataDir, private_dir
@@ -451,6 +451,12 @@ def _includes_users(node: NodeState) -> bool:
         return False
 
 
+def check_grantable(data_dir: Path | str, grants: list[roles.PipelineGrant]) -> None:
+    """Refuse (:class:`isbflow.isb.owners.OwnershipRefused`) what :func:`grant_pipelines` would refuse
+    against the grants recorded under ``data_dir`` now; nothing when none are recorded there."""
+    owners.check_grants(grants, read_grants(data_dir))
+
+
 def _config_load_time(http_port: int) -> str | None:
     try:
         with urllib.request.urlopen(f"http://{HOST}:{http_port}/varz", timeout=1) as r:
@@ -465,7 +471,10 @@ def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], tim
     buckets to the reader, on the embedded server under ``data_dir``: the users file is rewritten
     and every running node reloads it (SIGHUP; no restart, no client dropped). A pipeline granted
     again gets the grants of its current spec. Returns False when no embedded server with auth is
-    recorded there (nothing to do: an external server is configured by its operator)."""
+    recorded there (nothing to do: an external server is configured by its operator).
+
+    Raises :class:`isbflow.isb.owners.OwnershipRefused`, granting nothing, when a grant holds a
+    stream, bucket or source subject another pipeline was granted (naming each one and its owner)."""
     data_dir = Path(data_dir).absolute()
     state = read_state(data_dir)
     if state is None or not state.user or not all(_includes_users(n) for n in state.nodes):
@@ -475,6 +484,7 @@ def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], tim
         # two granting processes must not lose a grant
         fcntl.flock(lock, fcntl.LOCK_EX)
         merged = {g.pipeline: g for g in read_grants(data_dir)}
+        owners.check_grants(grants, list(merged.values()))
         before = dict(merged)
         merged.update({g.pipeline: g for g in grants})
         if merged == before and (ndir / AUTH_FILE).exists():

@@ -13,6 +13,7 @@ from pathlib import Path
 from isbflow.isb import provision
 from isbflow.isb.connect import IsbUnreachable as Unreachable
 from isbflow.isb.connect import NatsSettings, default_data_dir
+from isbflow.isb.owners import OwnershipRefused
 from isbflow.isb.provision import (
     Action,
     ChangeClass,
@@ -24,11 +25,17 @@ from isbflow.isb.provision import (
     desired_resources,
 )
 from isbflow.isb.roles import pipeline_grants
-from isbflow.isb.server import grant_pipelines, read_grants, read_state, role_password_file
+from isbflow.isb.server import (
+    check_grantable,
+    grant_pipelines,
+    read_grants,
+    read_state,
+    role_password_file,
+)
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
-__all__ = ["Action", "ChangeClass", "Drift", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
+__all__ = ["Action", "ChangeClass", "Drift", "OwnershipRefused", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
            "Unreachable", "apply", "delete", "diff", "grant", "granted", "role_settings", "planned_count", "status"]
 
 
@@ -38,9 +45,16 @@ def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, 
 
     Raises :class:`ProvisionRefused` when a change is refused (nothing applied): a recreate
     without ``recreate``, or without ``force`` a recreate of a stream holding messages or a
-    change that may discard unread messages. With ``data_dir``, an embedded server recorded
-    there must run with the store limits the spec sets.
+    change that may discard unread messages; or when the pipeline would claim a stream or subject
+    another pipeline owns (:mod:`isbflow.isb.owners`: the embedded server's grants, the streams'
+    metadata). With ``data_dir``, an embedded server recorded there must run with the store limits
+    the spec sets.
     """
+    grants = pipeline_grants(specs.select(pipeline))
+    try:  # what grant() would refuse, refused before anything is provisioned
+        check_grantable(data_dir or default_data_dir(), [grants])
+    except OwnershipRefused as e:
+        raise ProvisionRefused(str(e), ProvisionReport(grants.pipeline)) from None
     report = asyncio.run(provision.apply(settings, specs, pipeline, recreate=recreate, force=force,
                                          data_dir=data_dir))
     grant(specs.pipelines[report.pipeline], data_dir)

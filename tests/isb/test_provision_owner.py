@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,14 @@ from nats.js.api import StreamConfig
 
 from isbflow.isb import provision
 from isbflow.isb.connect import connect
+from isbflow.isb.owners import OwnershipRefused
 from isbflow.isb.provision import Action, ChangeClass, ProvisionRefused
+from isbflow.isb.roles import pipeline_grants
+from isbflow.isb.server import grant_pipelines, read_grants, role_password_file
+from isbflow.ops import isb as ops_isb
 from isbflow.spec import load_specs
 from tests.conftest import ROOT
-from tests.helpers.provision import apply, publish
+from tests.helpers.provision import apply, publish, write_spec
 
 ISBFLOW = str(ROOT / ".venv" / "bin" / "isbflow")
 SHARED = "isb-p-a-b-c-0"  # edge a -> b-c of pipeline p, edge a-b -> c of pipeline p, edge b -> c of pipeline p-a
@@ -155,3 +160,89 @@ def test_a_stream_without_owner_metadata_is_adopted(nats_server, tmp_path):
     assert info.state.messages == 2
     assert (info.config.metadata["isbflow.pipeline"], info.config.metadata["isbflow.edge"]) == ("p", "a->b-c")
     assert not apply(settings, specs).changed
+
+
+# ------------------------------------------------------------------ one pipeline cannot claim another's
+
+
+def logs_and(tmp_path: Path, nats_server, name: str, source: dict) -> Path:
+    """pipelines/logs.yaml provisioned and granted; returns the spec of pipeline ``name``, a copy of
+    logs whose source is ``source``."""
+    apply(nats_server.settings, load_specs(write_spec(tmp_path, "logs.yaml")))
+    assert grant_pipelines(nats_server.data_dir, [pipeline_grants(load_specs(tmp_path / "logs.yaml").only_pipeline())])
+    docs = list(yaml.safe_load_all((tmp_path / "logs.yaml").read_text()))
+    p = next(d for d in docs if d["kind"] == "Pipeline")
+    p["metadata"]["name"] = name
+    p["spec"]["vertices"][0]["source"]["jetstream"] = source
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return path
+
+
+def test_isb_apply_of_a_spec_naming_another_pipelines_buffer_is_refused(nats_server, tmp_path):
+    """The spec would hand its user read, consumer-create and purge on logs' buffer: refused at
+    validate, nothing provisioned or granted."""
+    steal = logs_and(tmp_path, nats_server, "steal", {"subject": "steal.events", "stream": "isb-logs-in-parse-0"})
+    r = subprocess.run([ISBFLOW, "isb", "apply", "-f", str(steal), "--nats-url", nats_server.url,
+                        "--data-dir", str(nats_server.data_dir)], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{steal}: vertices[0].source.jetstream.stream: 'isb-logs-in-parse-0' is inside isbflow's own " \
+           "namespace" in r.stderr
+    assert "steal" not in {g.pipeline for g in read_grants(nats_server.data_dir)}
+    assert not role_password_file(nats_server.data_dir, "pipeline-steal").exists()
+
+
+def test_apply_of_a_source_subject_another_pipeline_owns_is_refused_naming_the_owner(nats_server, tmp_path):
+    steal = load_specs(logs_and(tmp_path, nats_server, "steal", {"subject": "logs.events", "stream": "steal-in"}))
+    before = names_on_server(nats_server.settings)
+    with pytest.raises(ProvisionRefused) as err:  # the embedded server's grants name the owner
+        ops_isb.apply(nats_server.settings, steal, data_dir=nats_server.data_dir)
+    assert "subject 'logs.events' (source subject of pipeline steal) is owned by pipeline logs (source subject)" \
+        in str(err.value)
+    with pytest.raises(ProvisionRefused) as err:  # and so does the stream's metadata, on any server
+        apply(nats_server.settings, steal)
+    assert ("subject 'logs.events' (subject of source in of pipeline steal) is owned by pipeline logs "
+            "(subject of its source stream src-logs-in)") in str(err.value)
+    assert names_on_server(nats_server.settings) == before
+    assert "steal" not in {g.pipeline for g in read_grants(nats_server.data_dir)}
+
+
+def test_grant_pipelines_refuses_what_another_pipeline_was_granted(nats_server, tmp_path):
+    """Grants compared across pipelines, whatever the streams on the server: a grant holding
+    another pipeline's buffer (a spec that was never validated with the owner's, or a hand-made
+    grant) gives nothing."""
+    logs_and(tmp_path, nats_server, "steal", {"subject": "steal.events"})
+    auth = (nats_server.data_dir / "nats" / "auth.conf").read_text()
+    stolen = replace(pipeline_grants(load_specs(tmp_path / "steal.yaml").only_pipeline()),
+                     sources=("isb-logs-in-parse-0",), source_subjects=("isb.logs.in.parse.0",))
+    with pytest.raises(OwnershipRefused) as err:
+        grant_pipelines(nats_server.data_dir, [stolen])
+    assert "stream 'isb-logs-in-parse-0' (source stream of pipeline steal) is owned by pipeline logs (buffer)" \
+        in str(err.value)
+    assert (nats_server.data_dir / "nats" / "auth.conf").read_text() == auth
+    assert [g.pipeline for g in read_grants(nats_server.data_dir)] == ["logs"]
+    # derived names that meet (pipeline p's edge a-b -> c and pipeline p-a's edge b -> c), loaded apart
+    first = load_specs(write(tmp_path, "first", "p", ["in", "a-b", "c", "out"])).only_pipeline()
+    second = load_specs(write(tmp_path, "second", "p-a", ["src", "b", "c", "out"])).only_pipeline()
+    assert grant_pipelines(nats_server.data_dir, [pipeline_grants(first)])
+    with pytest.raises(OwnershipRefused, match=f"stream '{SHARED}' \\(buffer of pipeline p-a\\) is owned by "
+                                               "pipeline p \\(buffer\\)"):
+        grant_pipelines(nats_server.data_dir, [pipeline_grants(second)])
+    assert grant_pipelines(nats_server.data_dir, [pipeline_grants(first)])  # its owner is granted again
+
+
+def test_the_provision_operator_refuses_a_spec_naming_another_pipelines_buffer(nats_server, tmp_path, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from isbflow.airflow.operators.isb import IsbProvisionOperator
+
+    steal = logs_and(tmp_path, nats_server, "steal", {"subject": "steal.events", "stream": "isb-logs-in-parse-0"})
+    monkeypatch.delenv("AIRFLOW_CONN_NATS_DEFAULT", raising=False)
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.setenv("ISBFLOW_HOME", str(nats_server.data_dir))
+    monkeypatch.chdir(nats_server.data_dir)
+    op = IsbProvisionOperator(task_id="provision", pipeline_file=steal.name, pipelines_dir=str(tmp_path))
+    with pytest.raises(AirflowFailException, match="'isb-logs-in-parse-0' is inside isbflow's own namespace"):
+        op.execute({})
+    assert "steal" not in {g.pipeline for g in read_grants(nats_server.data_dir)}
