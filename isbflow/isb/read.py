@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 from isbflow.isb.connect import NatsSettings, close_loop, connect, dropped_messages
 from isbflow.isb.errors import BufferLost, BufferReadError
 from isbflow.isb.raw import deliver_raw, no_cyclic_gc, parse_headers, status_line
+from isbflow.isb.roles import is_role_user
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -454,7 +455,8 @@ def read_partition(
     nothing read from the new incarnation is used under the old one's ids).
 
     ``prefer_consumer``: read through :func:`consume_range` (faster for many small messages,
-    given ``keep_headers``) unless the stream is a ``WorkQueue``; else :func:`read_range`.
+    given ``keep_headers``) unless the stream is a ``WorkQueue`` or ``settings`` log in as a role
+    user (a pipeline's user may create no consumer: :mod:`isbflow.isb.roles`); else :func:`read_range`.
     """
     loop = asyncio.new_event_loop()
     try:
@@ -478,7 +480,7 @@ def read_partition(
             st = check(before=True)
             if st is None:
                 return
-            use_consumer = prefer_consumer and st.retention != "workqueue"
+            use_consumer = prefer_consumer and st.retention != "workqueue" and not is_role_user(settings.user or "")
             if use_consumer:
                 agen = consume_range(nc, stream, first, last, on_gap=on_gap, keep_headers=keep_headers, **read_kw)
             else:

@@ -38,6 +38,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
+from isbflow.isb.read import read_range, stream_state
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -113,31 +114,24 @@ def _encode(value: Mapping[str, Any]) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-async def _entries(kv: Any) -> dict[str, bytes]:
-    """Latest value of every live key (deleted keys left out)."""
+async def _entries(nc: Any, bucket: str) -> dict[str, bytes]:
+    """Latest value of every live key (deleted keys left out), as of the bucket stream's last
+    sequence now: its messages read in order by batched direct gets (:func:`isbflow.isb.read.read_range`;
+    older revisions a key no longer keeps are gaps, skipped). No consumer is created: a pipeline's
+    user may create none (:mod:`isbflow.isb.roles`)."""
+    stream = _bucket_stream(bucket)
     out: dict[str, bytes] = {}
-    # Read up to the bucket stream's last sequence as of now. The watcher's first
-    # None ("initial values done") can come before the stored entries under load,
-    # which once made a step plan an empty reference table. The last sequence's
-    # message may be gone (a purged stream, a deleted message): an entry with nothing
-    # pending after it (delta 0) ends the read too.
-    state = (await kv.status()).stream_info.state
-    last = state.last_seq
-    if last == 0 or state.messages == 0:
+    state = await stream_state(nc, stream)
+    if state is None or state.messages == 0:
         return out
-    watcher = await kv.watchall()
-    try:
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in (KV_DEL, KV_PURGE):
-                out.pop(entry.key, None)
+    prefix = f"$KV.{bucket}."
+    async for msgs in read_range(nc, stream, state.first_seq, state.last_seq, on_gap=lambda a, b: None):
+        for _, data, headers, _ in msgs:
+            key = str(headers.get("Nats-Subject", ""))[len(prefix):]
+            if headers.get("KV-Operation") in (KV_DEL, KV_PURGE):
+                out.pop(key, None)
             else:
-                out[entry.key] = entry.value
-            if entry.revision >= last or entry.delta == 0:
-                break
-    finally:
-        await watcher.stop()
+                out[key] = data
     return out
 
 
@@ -154,7 +148,7 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
             kv = await js.create_key_value(KeyValueConfig(
                 bucket=bucket, description=f"isbflow pipeline {pipeline}: reference table {name}",
                 history=_HISTORY, storage=StorageType.FILE, direct=True))
-        current = await _entries(kv)
+        current = await _entries(nc, bucket)
         written = unchanged = deleted = 0
         for key in sorted(rows):
             data = _encode(rows[key])
@@ -233,10 +227,10 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
             js = nc.jetstream()
             try:
                 rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
-                kv = await js.key_value(bucket)
+                await js.key_value(bucket)
             except (BucketNotFoundError, NotFoundError):
                 raise _not_found(pipeline, name, settings) from None
-            return rev, await _entries(kv)
+            return rev, await _entries(nc, bucket)
 
     rev, entries = await _within(go(), timeout, _timed_out(pipeline, name, settings, "loading", timeout))
     return rev, to_table(_decode(entries, f" of KV bucket {bucket}"), key)

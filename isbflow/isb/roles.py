@@ -12,9 +12,9 @@ user               may
                    source streams' info); read nothing, write no key
 ``pipeline-<p>``   what pipeline ``p``'s drivers need on ``p``'s own streams and
                    buckets only: publish to ``isb.<p>.>``, read its buffers and
-                   source streams (consumers, direct gets, acks, purges of what was
-                   committed), get and put its control, status and ledger keys, get
-                   its reference tables; nothing of another pipeline
+                   source streams (direct gets, purges of what was committed), get
+                   and put its control, status and ledger keys, get its reference
+                   tables; create no consumer; nothing of another pipeline
 =================  ==============================================================
 
 Every role but the admin receives its replies on its own inbox prefix
@@ -120,11 +120,15 @@ def _kv_get(bucket: str) -> list[str]:
 
 
 def _read_stream(stream: str) -> list[str]:
-    """Reading a stream the way isbflow's reader does: info, direct gets, a pull consumer, acks."""
+    """Reading a stream the way a pipeline's drivers do: info and (batched) direct gets.
+
+    No consumer of any kind: nats-server does not check a push consumer's ``deliver_subject``
+    against its creator's publish rights (nats-server issue 8274), and every form of the create
+    request (``CONSUMER.CREATE.<stream>``, ``.<consumer>``, ``.<consumer>.<filter>``) takes a
+    ``deliver_subject`` in its body, so a user allowed to create any consumer could have the server
+    deliver its own stream into another pipeline's buffer subject."""
     return [f"{JS}.STREAM.INFO.{stream}", f"{JS}.DIRECT.GET.{stream}", f"{JS}.DIRECT.GET.{stream}.>",
-            f"{JS}.STREAM.MSG.GET.{stream}", f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.CONSUMER.CREATE.{stream}.>",
-            f"{JS}.CONSUMER.INFO.{stream}.>", f"{JS}.CONSUMER.DELETE.{stream}.>",
-            f"{JS}.CONSUMER.MSG.NEXT.{stream}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+            f"{JS}.STREAM.MSG.GET.{stream}"]
 
 
 def _inbox(user: str) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ request nobody may answer), and allows what it needs.
 from __future__ import annotations
 
 import asyncio
+import json
 import stat
 from pathlib import Path
 
@@ -242,3 +243,47 @@ def test_a_server_started_before_roles_is_granted_nothing(nats_server, tmp_path)
     assert not grant_pipelines(nats_server.data_dir, [roles.pipeline_grants(specs.pipelines["logs"])])
     assert not role_password_file(nats_server.data_dir, "pipeline-logs").exists()
     assert role_settings(nats_server.settings, nats_server.data_dir, "pipeline-logs") == nats_server.settings
+
+
+def test_a_pipelines_user_cannot_deliver_into_another_pipeline(granted):
+    """A push consumer's ``deliver_subject`` is not checked against its creator's publish rights
+    (nats-server issue 8274): a pipeline user able to create a consumer on its own stream could have
+    the server deliver that stream's messages into another pipeline's buffer or control key, through
+    every consumer-create API form (the request body, not the subject, makes a consumer push)."""
+    server, specs = granted
+    mine = naming.edge_partitions(specs.pipelines["logs"])[0]
+    theirs = naming.edge_partitions(specs.pipelines["other"])[0]
+    control = f"$KV.{naming.control_bucket('other')}.parse"
+    creates = [  # (API subject, consumer config): every form of the create request
+        (f"$JS.API.CONSUMER.CREATE.{mine.stream}", {"deliver_subject": theirs.subject}),
+        (f"$JS.API.CONSUMER.CREATE.{mine.stream}.into-control", {"name": "into-control", "deliver_subject": control}),
+        (f"$JS.API.CONSUMER.CREATE.{mine.stream}.filtered.{mine.subject}",
+         {"name": "filtered", "filter_subject": mine.subject, "deliver_subject": control}),
+        (f"$JS.API.CONSUMER.DURABLE.CREATE.{mine.stream}.durable",
+         {"durable_name": "durable", "deliver_subject": theirs.subject}),
+    ]
+
+    async def go():
+        nc = await connect(as_role(server, roles.pipeline_user("logs")))
+        try:
+            await nc.jetstream().publish(mine.subject, b"stopped", timeout=5)  # its own buffer: allowed
+            await refused_all(*(nc.request(subject, json.dumps({"stream_name": mine.stream, "config": {
+                "ack_policy": "none", "deliver_policy": "all", **config}}).encode(), timeout=2)
+                for subject, config in creates))
+        finally:
+            await nc.close()
+
+    run(go())
+    assert {subject for subject, _ in creates} <= violations(server, roles.pipeline_user("logs"))
+
+    async def check():
+        nc = await connect(server.settings)
+        try:
+            for _ in range(10):  # a delivery would land within milliseconds
+                assert (await stream_state(nc, theirs.stream)).messages == 0
+                assert await st.get_desired(nc, "other", "parse") != st.Desired.STOPPED
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+
+    run(check())
