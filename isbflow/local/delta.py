@@ -6,10 +6,8 @@ Sink maintenance (``isbflow sink maintain``, :func:`isbflow.sinks.delta_log.trim
 writes a new checkpoint and removes the log files and the checkpoint before it.
 A load that listed the log before the removal then fails on a file that was
 there a moment ago: "File not found: .../_delta_log/...json", "Object at location
-.../...checkpoint.parquet not found", "Invalid table version: 4" (CI, stop 29:
-the soak's ``agg`` step died on it at the maintenance of its sink; measured
-alone, 35 of 661 loads failed while a writer checkpointed and cleaned every 5
-commits). Nothing is lost: the table is whole at its new checkpoint, so
+.../...checkpoint.parquet not found", "Invalid table version: 4" (measured: 35 of
+661 loads failed while a writer checkpointed and cleaned every 5 commits). Nothing is lost: the table is whole at its new checkpoint, so
 :func:`load_table` loads again, which lists the log anew.
 
 A version that really is gone (time travel past the log's retention) fails the
@@ -19,16 +17,14 @@ same way on every attempt and is raised after :data:`LOAD_ATTEMPTS`.
 ``DeltaTable.history()`` lists the commits the log holds *when it is asked* and
 numbers them down from the version the table was *loaded* at: a commit that lands
 between the load and the call is listed as the loaded version, and every older one
-one below its own. Beside a running sink that happens (the CI flake of
-``test_live.py``: a quality check read the raw table at one version, and the
-history up to that version then held the next commit's offsets under its label:
-that batch's records, 537 in CI stop 32, were reported missing; measured here,
-100 loads and ``history(3)`` beside a thread appending commits: 56 had wrong labels).
+one below its own. Beside a running sink that happens: a quality check reading the
+raw table at one version would find the next commit's offsets under that version's
+label, and report that batch's records missing (measured: of 100 loads and
+``history(3)`` beside a thread appending commits, 56 had wrong labels).
 :func:`table_history` reads the commit files of the table's own versions
 (``_delta_log/<version>.json``, each one's ``commitInfo``, what delta-rs returns):
-the file name is the version, and nothing newer than the table is read. Asking
-again until the table stops moving was the first fix; a busy sink with a long log
-need never stop moving.
+the file name is the version, and nothing newer than the table is read (asking
+again until the table stops moving would not do: a busy sink's table need never stop).
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from urllib.parse import quote, urlparse
 from urllib.request import url2pathname
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction
@@ -141,14 +138,21 @@ class TableCache:
     A plain append needs none of it: the commit is the next version's
     file, and nothing but this cache's own appends can have come since the kept table when that
     file is absent and the log's last checkpoint is not past the kept version (sink maintenance
-    trims the commit files below a checkpoint it wrote: the quick soak lost a batch written into
-    such a hole). :meth:`kept` answers from the kept table and the appends made since (a ``stat``
-    and ``_last_checkpoint``), :meth:`append` writes the next commit file itself (written aside, then linked into
-    place: a version another writer took is never overwritten, and the caller falls back to
-    delta-rs), and every :data:`DEFAULT_CHECKPOINT_INTERVAL` versions (the table's
+    trims the commit files below a checkpoint it wrote: a commit written into such a hole would
+    be read by nobody). :meth:`kept` answers from the kept table and the appends made since (a ``stat``
+    and ``_last_checkpoint``; an unreadable hint: no shortcut), :meth:`append` writes the next commit
+    file itself (written aside, then linked into place: a version another writer took is never
+    overwritten, and the caller falls back to delta-rs). Before the link the log must reach the
+    version before (its commit file or its checkpoint: never a commit after a gap); after it, a
+    checkpoint at or past the version is read for the commit's app transaction: one written on top
+    of the commit keeps it (a published commit is never removed), one written before it by a trim
+    that raced the link takes it back (it lies below the checkpoint, unread) and delta-rs commits.
+    A file system without hard links falls back the same way; asides a crashed writer left are
+    removed at the first load. Every :data:`DEFAULT_CHECKPOINT_INTERVAL` versions (the table's
     ``delta.checkpointInterval``) reads forward and writes the checkpoint delta-rs' post-commit hook
     would have. Only for tables whose protocol asks nothing more of a writer than appending files
-    (writer version 2 at most, no table features, no constraints or invariants).
+    (writer version 2 at most, no table features, no constraints or invariants); an upsert's removes
+    also not for a ``delta.appendOnly`` table (:meth:`removes_plainly`).
 
     **An upsert's commit** (:meth:`commit`, :meth:`files`) the same way: removes as well as adds, and
     the table's active files with their stats kept current across the commits it makes, so an upsert
@@ -166,6 +170,10 @@ class TableCache:
         #: the active files with their stats (:meth:`files`) and the version they are the files of
         #: (the kept table's, then each :meth:`commit`'s); ``None`` until asked
         self._files: tuple[int, dict[str, FileStats]] | None = None
+        #: the file system links a commit file into place (``os.link``); else every commit is delta-rs'
+        self._links = True
+        #: the log's stale asides have been removed (:func:`remove_stale_asides`, at the first load)
+        self._swept = False
 
     def get(self) -> DeltaTable | None:
         self._ahead.clear()
@@ -181,6 +189,9 @@ class TableCache:
             self._table = load_table(self.path)
         except TableNotFoundError:
             return None
+        if not self._swept:
+            remove_stale_asides(log_root(self._table))
+            self._swept = True
         return self._table
 
     def kept(self, app_id: str, appending: bool = True) -> tuple[DeltaTable, int, int | None] | None:
@@ -199,7 +210,8 @@ class TableCache:
         root = log_root(table)
         # the checkpoint read after the next version's file: a trim removes commit files only below a
         # checkpoint it wrote first, so a version absent under a checkpoint past it had been there
-        if (root / commit_file(version + 1)).exists() or last_checkpoint(root) > version:
+        checkpoint = last_checkpoint(root)  # None: unreadable, so no shortcut (fail closed)
+        if (root / commit_file(version + 1)).exists() or checkpoint is None or checkpoint > version:
             return None
         txn = next((v for a, v in reversed(self._ahead) if a == app_id), None)
         return table, version, txn if txn is not None else table.transaction_version(app_id)
@@ -212,11 +224,16 @@ class TableCache:
     def plain(self) -> bool:
         """:func:`appends_plainly` of the kept table (asked once a version); ``False`` without one."""
         table = self._table
-        if table is None:
+        if table is None or not self._links:
             return False
         if self._plain is None or self._plain[0] != table.version():
             self._plain = (table.version(), appends_plainly(table))
         return self._plain[1]
+
+    def removes_plainly(self) -> bool:
+        """:meth:`plain`, and the table takes ``remove`` actions that change data (it is not
+        ``delta.appendOnly``): what an upsert's own commit writes."""
+        return self.plain() and not append_only(self._table)
 
     def files(self) -> dict[str, FileStats]:
         """The table's active files with their stats, from the kept table (read forward first when
@@ -261,16 +278,38 @@ class TableCache:
                               "extendedFileMetadata": True, "partitionValues": {}, "size": size}}
                   for path, size in removes]
         lines.append({"txn": {"appId": app_id, "version": txn_version}})
+        try:
+            text = "".join(json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n" for line in lines)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: a commit's metadata holds a number JSON cannot carry "
+                             f"(NaN or Infinity): {e}") from None
+        # The log must reach the version before: its commit file, or a checkpoint of it. Maintenance
+        # trims commit files only below a checkpoint it wrote, and a checkpoint is written only of
+        # versions that exist, so a version linked on a log that reaches the one before is read by
+        # every reader; on a log that does not (trimmed past it, or a table made again under the
+        # sink) it would be a file below a checkpoint, or after a gap, and delta-rs commits instead.
+        if version > 0 and not log_reaches(root, version - 1):
+            return None
         aside = root / f".{commit_file(version)}.{uuid.uuid4().hex}.tmp"
-        aside.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+        aside.write_text(text)
         try:
             os.link(aside, root / commit_file(version))  # fails when the version exists: never overwrites
-        except FileExistsError:
+        except (FileExistsError, FileNotFoundError):
+            return None
+        except OSError as e:  # no hard links on this file system: delta-rs commits from now on
+            _log.info("%s: the file system links no commit file into place (%s); committing through "
+                      "delta-rs", self.path, e)
+            self._links = False
             return None
         finally:
             aside.unlink(missing_ok=True)
-        if last_checkpoint(root) >= version:  # maintenance checkpointed and trimmed since kept(): this
-            (root / commit_file(version)).unlink(missing_ok=True)  # file lies below the checkpoint, unread
+        # A checkpoint at or past this version now: written on top of this commit (it holds the app
+        # transaction: the commit is published and stays), or before it, by maintenance that trimmed
+        # the log between the look above and the link (this file lies below it, unread: taken back).
+        checkpoint = last_checkpoint(root)
+        if checkpoint is not None and checkpoint >= version and not checkpoint_holds(root, checkpoint, app_id,
+                                                                                      txn_version):
+            (root / commit_file(version)).unlink(missing_ok=True)
             return None
         self._ahead.append((app_id, txn_version))
         if self._files is not None and stats is not None and self._files[0] == version - 1:
@@ -354,12 +393,83 @@ def commit_file(version: int) -> str:
     return f"{version:020d}.json"
 
 
-def last_checkpoint(root: Path) -> int:
-    """The version of the log's last checkpoint (``_delta_log/_last_checkpoint``), -1 when none."""
+def last_checkpoint(root: Path) -> int | None:
+    """The version of the log's last checkpoint (``_delta_log/_last_checkpoint``): -1 when the log
+    has no such hint, ``None`` when it has one that cannot be read (being replaced, or damaged): a
+    caller then takes no shortcut on it."""
     try:
         return int(json.loads((root / "_last_checkpoint").read_text())["version"])
-    except (FileNotFoundError, ValueError, KeyError):
+    except FileNotFoundError:
         return -1
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def log_reaches(root: Path, version: int) -> bool:
+    """Whether the log in ``root`` holds ``version``: its commit file, or a checkpoint of it (a
+    single-part one, or the parts ``_last_checkpoint`` names). Looks up names; never lists the log."""
+    if (root / commit_file(version)).exists() or (root / f"{version:020d}.checkpoint.parquet").exists():
+        return True
+    try:
+        hint = json.loads((root / "_last_checkpoint").read_text())
+        parts = int(hint.get("parts") or 0)
+        return int(hint["version"]) == version and parts > 0 and (
+            root / f"{version:020d}.checkpoint.{1:010d}.{parts:010d}.parquet").exists()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def checkpoint_holds(root: Path, version: int, app_id: str, txn_version: int) -> bool:
+    """Whether checkpoint ``version`` of the log in ``root`` holds ``app_id``'s transaction at
+    ``txn_version`` or later; ``True`` when the checkpoint cannot be read (gone: a later one
+    replaced it), so that a published commit is never taken back on a guess."""
+    hint = {}
+    try:
+        hint = json.loads((root / "_last_checkpoint").read_text())
+    except (OSError, ValueError):
+        pass
+    parts = int(hint.get("parts") or 0) if hint.get("version") == version else 0
+    names = ([f"{version:020d}.checkpoint.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)] if parts
+             else [f"{version:020d}.checkpoint.parquet"])
+    try:
+        txns = [t for n in names for t in pq.read_table(root / n, columns=["txn"]).column("txn").to_pylist() if t]
+    except (OSError, pa.ArrowException) as e:
+        _log.warning("%s: checkpoint %d cannot be read (%s); the commit below it is kept", root, version, e)
+        return True
+    return any(t["appId"] == app_id and t["version"] >= txn_version for t in txns)
+
+
+#: a commit file written aside before it is linked into place (:meth:`TableCache.commit`)
+_ASIDE = re.compile(r"^\.\d{20}\.json\.[0-9a-f]{32}\.tmp$")
+#: seconds after which an aside is a crashed writer's: a live one links (and removes) it at once
+STALE_ASIDE_S = 60.0
+
+
+def remove_stale_asides(root: Path) -> int:
+    """Remove the commit files a crashed writer left aside in the log folder ``root`` (older than
+    :data:`STALE_ASIDE_S`); the number removed. Lists the log: once per sink, when it first loads."""
+    removed = 0
+    horizon = time.time() - STALE_ASIDE_S
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return 0
+    for e in entries:
+        if _ASIDE.match(e.name):
+            try:
+                if e.stat().st_mtime < horizon:
+                    os.unlink(e.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+    if removed:
+        _log.info("%s: removed %d commit file(s) a crashed writer left aside", root, removed)
+    return removed
+
+
+def append_only(table: DeltaTable) -> bool:
+    """The table is ``delta.appendOnly``: no commit may remove a file that changes data."""
+    return table.metadata().configuration.get("delta.appendOnly", "false").strip().lower() == "true"
 
 
 def checkpoint_interval(table: DeltaTable) -> int:

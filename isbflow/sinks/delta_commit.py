@@ -121,6 +121,7 @@ from isbflow.sinks.delta_files import (
 from isbflow.sinks.delta_log import TABLE_CONFIGURATION
 from isbflow.sinks.delta_merge import (
     check_append,
+    check_not_null,
     latest_per_key,
     merge_insert_missing,
     merge_upsert,
@@ -246,6 +247,7 @@ def _commit_batch_once(options: DeltaSinkOptions, msgs: list[DeltaCommitMessage]
         remove_unreferenced_batch_files(options.path, options.app_id, batch_id, committed=())
         return BatchCommit(batch_id, None, 0, 0, "empty batch")
     schema = next(m.arrow_schema() for m in msgs if m.schema)
+    check_not_null(table, actions, options.path, where)
     metadata = {ledger.OFFSETS_KEY: ledger.to_metadata(offsets) if offsets else "{}",
                 **options.commit_metadata}
     metadata.update({"isb.appId": options.app_id, "isb.batchId": batch_id, "isb.rows": rows})

@@ -192,13 +192,13 @@ class DeltaSinkOptions:
         )
         raw_meta = options.get("commitMetadata") or "{}"
         try:
-            meta = json.loads(raw_meta)
-        except json.JSONDecodeError as e:
+            meta = json.loads(raw_meta, parse_constant=_refuse_constant)
+        except (json.JSONDecodeError, ValueError) as e:
             meta = e
         if not isinstance(meta, dict):
             raise DeltaSinkOptionError(
-                f"{SHORT_NAME} at {path}: option commitMetadata must be a JSON object, "
-                f"got {raw_meta!r}"
+                f"{SHORT_NAME} at {path}: option commitMetadata must be a JSON object of finite "
+                f"numbers, strings and the like (strict JSON: no NaN or Infinity), got {raw_meta!r}"
             )
         try:
             row_group_rows = int(options.get("rowGroupRows") or DEFAULT_ROW_GROUP_ROWS)
@@ -254,6 +254,10 @@ class DeltaCommitMessage(WriterCommitMessage):
 
     def arrow_schema(self) -> pa.Schema | None:
         return pa.ipc.read_schema(pa.py_buffer(self.schema)) if self.schema else None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _partition_string(value: Any) -> str | None:

@@ -20,15 +20,19 @@ reads or commits, and returns plain values.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import TableNotFoundError
+from deltalake.transaction import AddAction
 
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.local.delta import load_table
@@ -95,6 +99,26 @@ def check_schema(table: DeltaTable, schema: pa.Schema, where: str) -> None:
             f"{where}: the rows' columns {want} differ from the table's {have}; write to a new "
             "table path, or migrate the table before restarting the step"
         )
+
+
+def check_not_null(table: DeltaTable | None, actions: Iterable[AddAction], root: str, where: str) -> None:
+    """:class:`DeltaSinkError` when a file of ``actions`` (relative to the table folder ``root``) holds
+    a null in a column ``table`` declares NOT NULL (a Delta writer must enforce it). The files'
+    ``nullCount`` stats answer; a file without them has that column read back."""
+    required = [f.name for f in table.schema().fields if not f.nullable] if table is not None else []
+    for a in actions if required else ():
+        counts = json.loads(a.stats or "{}").get("nullCount") or {}
+        for col in required:
+            if col in a.partition_values:
+                nulls = json.loads(a.stats or "{}").get("numRecords", 1) if a.partition_values[col] is None else 0
+            elif isinstance(counts.get(col), int):
+                nulls = counts[col]
+            else:
+                nulls = pq.read_table(os.path.join(root, a.path), columns=[col]).column(col).null_count
+            if nulls:
+                raise DeltaSinkError(f"{where}: column {col!r} is NOT NULL in the table, and the batch holds "
+                                     f"{nulls} null(s) in it (file {a.path}); give it a value in the step's "
+                                     "transform, or make the column nullable")
 
 
 def check_append(table: DeltaTable, schema: pa.Schema, partition_by: Iterable[str], where: str) -> None:

@@ -68,7 +68,7 @@ def own_upsert(options: DeltaSinkOptions, tables: TableCache, delta: DeltaTable,
     files it names must survive a crash after it). ``None`` when the table does not take such a
     commit or another writer took the version: nothing committed."""
     where = f"upsert into {options.path}"
-    if options.partition_by or delta.metadata().partition_columns or not tables.plain():
+    if options.partition_by or delta.metadata().partition_columns or not tables.removes_plainly():
         return None
     keys = upsert_keys(options.path, batch, options.merge_key)
     batch = conform(delta, batch, where)
