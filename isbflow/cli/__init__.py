@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from isbflow import __version__
 from isbflow.cli import nats as nats_cli
 from isbflow.cli.common import JsonOut, console, err_console, fail, print_json
 
@@ -22,6 +23,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(nats_cli.app, name="nats")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"isbflow {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print isbflow's version and exit.")] = False,
+) -> None:
+    """Streaming pipelines: PySpark steps, NATS JetStream buffers, Airflow control plane."""
 
 
 @app.command()
@@ -58,7 +73,8 @@ def _register_optional() -> None:
     for mod, name in (("isbflow.cli.isb", "isb"), ("isbflow.cli.produce", "produce"),
                       ("isbflow.cli.ref", "ref"), ("isbflow.cli.platform", "platform"),
                       ("isbflow.cli.pipeline", "pipeline"), ("isbflow.cli.replay", "replay"),
-                      ("isbflow.cli.quality", "quality"), ("isbflow.cli.sink", "sink")):
+                      ("isbflow.cli.quality", "quality"), ("isbflow.cli.sink", "sink"),
+                      ("isbflow.cli.spec", "spec")):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -33,7 +33,7 @@ def test_help_lists_every_command_group():
     done = subprocess.run([ISBFLOW, "--help"], capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
-    for group in ("validate", "nats", "isb", "produce", "ref", "platform", "pipeline", "step",
+    for group in ("validate", "init", "spec", "nats", "isb", "produce", "ref", "platform", "pipeline", "step",
                   "replay", "quality", "sink"):
         assert f" {group} " in done.stdout, (group, done.stdout)
 
