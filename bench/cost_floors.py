@@ -146,8 +146,8 @@ def floors_child(cfg: dict) -> dict:
             time.sleep(cfg["warmup"] + (cfg.get("settle", 0.0) if n == 0 else 0.0))
             sampler = Sampler(os.getpid(), cfg["sample_every"])
             # the sampler runs in this process, the root of the tree measured: its CPU (reading every
-            # process's smaps_rollup every 2 s: 13.2 and 18.5 ms a batch of the `rate` and Python floors at
-            # 86c1e4c) is not the floor's and is taken out below; the demo's sampler runs outside the driver's
+            # process's smaps_rollup every 2 s: 13.2 and 18.5 ms a batch of the `rate` and Python floors
+            # as measured) is not the floor's and is taken out below; the demo's sampler runs outside the driver's
             # tree. A sample just before t0 or after t1 is taken out too (one ~20 ms read in a 120 s window)
             tree = cm.descendants(os.getpid())
             split0 = cpu_snapshot(tree, os.getpid())

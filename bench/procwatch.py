@@ -1,6 +1,6 @@
 """Where a command's CPU goes, by kind of process: ``python bench/procwatch.py OUT -- cmd ...``.
 
-Runs ``cmd``, samples every process that starts on this machine while it runs (every
+Runs ``cmd``, samples every process that starts on the host while it runs (every
 ``--every`` seconds, default 0.1; a process that lives shorter than that may be missed),
 and writes one line per kind to ``OUT``: how many processes, their CPU seconds, the kind
 (``py -m <module>`` for Python modules, the executable otherwise). A forked child keeps

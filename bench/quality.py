@@ -9,7 +9,7 @@ temporary data dir; the run uses the demo spec's ``raw`` quality entry
 (pipelines/logs.yaml: 4 expectations + built-in uniqueness, completeness,
 schema, freshness). Two runs are timed: ``cold`` (first GX context and suite
 creation in the process, Spark's first scans) and ``warm`` (the same again).
-Target: a run under 60 s on this machine; reported, never asserted. The load
+Target: a run under 60 s on 2 cores; reported, never asserted. The load
 average at start and end is recorded: on a shared machine seconds vary.
 """
 

@@ -5,7 +5,7 @@
 
 Starts its own embedded nats-server (temporary data dir, stopped by PID at the end), then
 ``pipelines/logs.yaml`` (every step, its reference table loaded) as a detached driver, the
-way ``isbflow pipeline start`` launches it (:func:`isbflow.ops.pipeline.start`), with the
+way the ``pipeline_start`` DAG launches it (:func:`isbflow.ops.pipeline.start`), with the
 trigger interval ``--trigger`` (accelerated: more micro-batches per minute than the default
 1 second) and its Prometheus endpoint on. The demo producer publishes ``--rate`` events/s
 (every ``--malformed-every``-th one malformed, so dead letters and the ledger's folding are

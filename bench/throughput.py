@@ -1,4 +1,4 @@
-"""Throughput benchmark of the engine (issue 9 item 8): A, B, C, D, E, F, G, H; see bench/README.md.
+"""Throughput benchmark of the engine: A, B, C, D, E, F, G, H; see bench/README.md.
 
     python bench/throughput.py [--quick] [--records N] [--events N] [--out bench/results/throughput.json]
 

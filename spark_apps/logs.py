@@ -18,7 +18,7 @@ of buffers; ``_isb_id`` is carried through untouched where rows map one to one.
   ``keys: [window_start, service]``: each micro-batch emits the current value of
   every window it changed, and the agg sink upserts them. On a batch DataFrame
   the watermark is a no-op, so the same function recomputes windows exactly
-  (:func:`isbflow.sinks.aggregates.recompute_windows`).
+  (:func:`isbflow.recovery.aggregates.recompute_windows`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "isbflow"
 
-#: modules allowed over MAX_LINES, each one job (README "How it works" says why)
+#: modules allowed over MAX_LINES, each one job (the value says why)
 LONG_MODULES: dict[str, str] = {
     "isbflow.steps.runner": "one job, wiring and following a pipeline's queries (start, bookkeeping, "
                             "restart, control); its helpers live in steps/session, restart and progress",

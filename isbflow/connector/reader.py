@@ -445,8 +445,7 @@ class JetStreamStreamReader(_RangeReader, DataSourceStreamReader, SupportsTrigge
         Spark calls it a batch late (after the next ``latestOffset``), never for
         the last batch of an availableNow run, and not again after a restart, and
         it says nothing about the *downstream* commit. Buffer space is released by
-        :func:`isbflow.isb.release.release` after the downstream commit
-        (DESIGN.md, "The Spark connector")."""
+        :func:`isbflow.isb.release.release` after the downstream commit."""
 
 
 class JetStreamBatchReader(_RangeReader, DataSourceReader):

@@ -1,6 +1,6 @@
 """Loss detection: is a buffer gone, recreated or trimmed past what its reader has read?
 
-A partition stream is **lost** (DESIGN.md "Buffers") when it is missing, was
+A partition stream is **lost** (docs/concepts/buffers.md) when it is missing, was
 recreated (a new incarnation), or its first sequence moved past the offset its
 reader has not yet read. The reader's progress is the last entry of its Spark
 checkpoint's offset log (the ``jetstream`` source's offsets: per stream, the

@@ -3,7 +3,7 @@
 Contract of :func:`release`: called by the runner only AFTER the downstream
 commit that covers ``upto_seq`` (the sink's Delta commit, or the next step's
 batch commit), never by the reader (Spark's reader ``commit`` is a batch late
-and skipped for the last availableNow batch, see DESIGN.md). Idempotent, and it
+and skipped for the last availableNow batch). Idempotent, and it
 never removes a sequence above ``upto_seq``:
 
 - ``WorkQueue`` / ``Interest`` retention: purges every message with sequence

@@ -1,4 +1,4 @@
-"""Files on this machine that grow with a long run: bounded reads of logs, keeping the newest few, rotation.
+"""Local files that grow with a long run: bounded reads of logs, keeping the newest few, rotation.
 
 :func:`tail` reads at most the last ``max_bytes`` of a file, never the whole
 log; :func:`keep_newest` removes all but the newest ``keep`` of a set of files

@@ -65,8 +65,7 @@ def grant(pipeline: Pipeline, data_dir: Path | None = None) -> bool:
     """Give ``pipeline`` its user (``pipeline-<name>``), its source subjects to the producer
     and its buckets to the reader on the embedded server under ``data_dir`` (default: the usual
     data dir), which reloads them (:func:`isbflow.isb.server.grant_pipelines`). False when no
-    embedded server with auth runs there: an external server's users are its operator's (README,
-    "Least privilege on NATS")."""
+    embedded server with auth runs there: an external server's users are its operator's (docs/operations/nats-roles.md)."""
     return grant_pipelines(data_dir or default_data_dir(), [pipeline_grants(pipeline)])
 
 

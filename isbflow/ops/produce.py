@@ -12,7 +12,7 @@ Contract:
   the wall-clock time they are produced at, so freshness checks mean something).
 - :func:`produce` publishes events ``start .. start+count-1`` to the source's
   subject with **acknowledged** publishes (core NATS publishes get dropped
-  under load, NOTES.md), pipelined in a window of unacknowledged messages.
+  under load), pipelined in a window of unacknowledged messages.
   Every message carries ``Nats-Msg-Id = <seed>-<index>``: running the same range
   again within the stream's duplicates window stores nothing twice (the report
   counts those ``duplicates``).

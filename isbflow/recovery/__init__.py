@@ -1,4 +1,4 @@
-"""Recovery and replay (DESIGN.md "Recovery and replay").
+"""Recovery and replay (docs/concepts/replays.md).
 
 - :mod:`isbflow.isb.ledger`: the offset ledger (source offsets each sink holds);
 - :mod:`isbflow.recovery.job`: what both replays share (connection, phases, published report);

@@ -1,6 +1,6 @@
 """Reprocess a source range: run it again through the current step code and replace its earlier output.
 
-The batch half of batch-plus-streaming (DESIGN.md, "Recovery and replay"): a
+The batch half of batch-plus-streaming (docs/concepts/replays.md): a
 range of source records, given by **source offsets** or by **event time**, is
 read again from the source stream (which keeps its records: retention Limits,
 ``maxAge``), run through the transforms as they are *now*, and replaces what

@@ -29,7 +29,7 @@ environment only (``NATS_URL`` without credentials, ``NATS_USER`` /
 ``AIRFLOW*`` variables are not passed on (connection URIs) but its PostgreSQL sinks' (:func:`sink_connections`).
 
 **Seam for clusters.** :func:`driver_command` builds the command for a
-client-mode driver on this machine (``local[N]`` or a standalone master: Spark
+client-mode driver on the local host (``local[N]`` or a standalone master: Spark
 standalone takes no Python application in cluster deploy mode). On Kubernetes
 the command would instead come from the Spark provider's
 ``SparkSubmitHook._build_spark_submit_command`` with ``--deploy-mode cluster``

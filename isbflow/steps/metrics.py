@@ -284,7 +284,7 @@ def serve(runner: PipelineRunner, port: int, data_dir: str | Path | None = None,
     runner.metrics = metrics
     httpd, _ = start_http_server(max(0, port), addr=host, registry=metrics.registry)
     bound = int(httpd.server_port)
-    # a wildcard bind is scraped through this machine's name (the container's, in compose)
+    # a wildcard bind is scraped through the host's name (the container's, in compose)
     target = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{bound}"
     record = None
     if data_dir is not None:

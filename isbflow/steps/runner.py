@@ -170,7 +170,7 @@ def heartbeat_interval_s(p: Pipeline, override: str | None = None) -> float:
     at least :data:`HEARTBEAT_S` and at most :data:`QUIET_HEARTBEAT_S`. A beat writes every step's
     status and reads its counters, control key and failure (NATS requests and Py4J calls per step):
     with a 5 s budget, data moves every 5 s and a 2 s beat wrote each status two or three times
-    between its batches (the README's *Cost* section has what it cost)."""
+    between its batches."""
     return min(QUIET_HEARTBEAT_S, max(HEARTBEAT_S, latency_budget_s(p, override)))
 
 

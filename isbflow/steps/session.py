@@ -102,7 +102,7 @@ IDLE_WORKERS_CONF = "spark.python.factory.idleWorkerMaxPoolSize"
 #: threads 0.089 -> 0.070 of a core, the JVM 0.338 -> 0.263 (with 1,000; the evicted are the least
 #: recently used, and the live set is used every batch). Code whose source changes every batch (a
 #: watermark's literal in a state store's predicate: ~0.4 new classes a second) still comes and goes,
-#: bounded by the cache. With :mod:`isbflow.steps.hadoop_fs`, the README's *Cost* section has the bench.
+#: bounded by the cache (see also :mod:`isbflow.steps.hadoop_fs`).
 CODEGEN_CACHE_ENTRIES = 500
 CODEGEN_CACHE_CONF = "spark.sql.codegen.cache.maxEntries"
 
@@ -123,8 +123,7 @@ BROADCAST_THREADS_CONF = "spark.sql.broadcastExchange.maxThreadThreshold"
 #: more often and carried the batch's live objects into the old one (8-9 MB a collection), and full
 #: collections (~200 ms each) followed every 15-20 s. With this and :data:`PAGE_SIZE`, the demo's GC
 #: fell from 15.0 to 7.8-8.8 ms a micro-batch and its driver tree from 1,205 to 1,138-1,141 MiB PSS.
-#: A broadcast larger than a piece is still one broadcast, in more pieces (the README's *Cost*
-#: section has the runs).
+#: A broadcast larger than a piece is still one broadcast, in more pieces.
 BROADCAST_BLOCK = "256k"
 BROADCAST_BLOCK_CONF = "spark.broadcast.blockSize"
 #: The page Spark's hash maps and sorters take memory in: 1 MiB, the smallest Spark derives itself
@@ -166,8 +165,7 @@ def step_query_conf(spark, partitions: int) -> Iterator[None]:
     that exists keeps its own number, whatever the session says). A vertex's ``partitions`` is its
     parallelism (one read task per input partition), so its state has as many: the demo's
     ``minutely`` (one partition) ran three tasks a batch, its read and a shuffle into two state
-    stores, for a few hundred rows; it runs two, into one state store (the README's *Cost* section
-    has the measurement).
+    stores, for a few hundred rows; it runs two, into one state store.
 
     Adaptive execution re-plans a job at its exchanges from what the finished stages measured
     (coalescing shuffle partitions, switching join strategies, skew): Spark runs it in a stateless

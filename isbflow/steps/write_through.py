@@ -45,8 +45,7 @@ MESSAGE_SCHEMA = StructType([StructField(MESSAGE_COLUMN, BinaryType(), True)])
 #: frame in memory at a time) and hands the driver one commit message, and the driver commits one Delta
 #: version a batch. Each batch pays a fixed cost (job, tasks, each task's NATS connection and first
 #: fetch, the commit): ~250 ms a batch against ~0.45 us a row here (2M records in frames of 10,000,
-#: ``local[2]``, written-through: 400K rows a batch 420-590 ms, 800K 590, 1.6M 990, 2M 1,150; the README's
-#: *A replay reads in larger batches*).
+#: ``local[2]``, written-through: 400K rows a batch 420-590 ms, 800K 590, 1.6M 990, 2M 1,150).
 REPLAY_BATCHES = 10
 
 

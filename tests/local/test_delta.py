@@ -13,7 +13,7 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 from isbflow.local import delta
 from isbflow.local.delta import load_table, log_file_vanished
 
-#: log files removed at once: what maintenance with a log retention of 0 does (the soak's, CI stop 29)
+#: log files removed at once: what maintenance with a log retention of 0 does
 TRIMMED = {"delta.logRetentionDuration": "interval 0 seconds", "delta.enableExpiredLogCleanup": "false"}
 
 

@@ -3,7 +3,7 @@
 Tables are written here with deltalake the way the sink commits them (each
 commit's ``isb.offsets`` naming its rows' source offsets), then edited outside
 isbflow; no NATS, no Spark. The exit code of the command is tested in a child
-process (NOTES.md: deltalake can abort at interpreter exit).
+process (deltalake can abort at interpreter exit).
 """
 
 from __future__ import annotations

@@ -290,8 +290,8 @@ def test_g_loss_while_draining_then_loss_while_recovering(spark, nats_server, tm
     async def drain_losing_a_buffer():
         """Drain; once the source is told to drain (the first look), delete enrich -> raw while the
         records just published are still upstream of it. (Waiting for the source to report drained
-        raced with the pipeline: in run59 the drain then ended without a failure, most likely because
-        enrich and raw had caught up, so the deleted buffer held nothing more for them.)"""
+        races with the pipeline: the drain can then end without a failure, when enrich and raw have
+        caught up and the deleted buffer holds nothing more for them.)"""
         nc = await connect(settings)
         deleted: list[asyncio.Future] = []
 

@@ -280,9 +280,9 @@ def test_a_table_that_asks_more_of_a_writer_is_committed_through_delta_rs(tmp_pa
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])
 def test_a_kept_table_is_not_taken_for_current_when_maintenance_trimmed_the_log_after_it(tmp_path, mode):
-    """The quick soak lost a batch (run73 of the suite): maintenance folded, checkpointed and trimmed
-    the log past the sink's kept table, so the next version's file was absent though versions had
-    come since; a commit written there lies below the checkpoint, where no reader looks. The
+    """When maintenance has folded, checkpointed and trimmed the log past the sink's kept table, the
+    next version's file is absent though versions have come since; a commit written there would lie
+    below the checkpoint, where no reader looks. The
     checkpoint's version tells it: the batch reads the table anew and commits after the checkpoint."""
     from isbflow.local.delta import TableCache
     from isbflow.sinks.delta_log import bound_log

@@ -249,8 +249,8 @@ def test_an_upsert_commit_goes_on_when_maintenance_changes_the_table_properties_
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])
 def test_a_stream_commit_goes_on_when_maintenance_trims_the_log_under_it(tmp_path, monkeypatch, mode):
-    """CI stop 29: the soak's upsert step ``agg`` died with "Invalid table version: 4": its commit's
-    snapshot was older than the checkpoint the maintenance had just written, and the commits after
+    """An upsert step's commit must go on (not fail with "Invalid table version: 4") when its
+    snapshot is older than the checkpoint the maintenance has just written, and the commits after
     that snapshot, which the conflict check reads, were folded and removed (log retention 0)."""
     from isbflow.local import delta as local_delta
     from isbflow.sinks.delta_log import bound_log

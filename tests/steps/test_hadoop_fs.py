@@ -26,7 +26,7 @@ def test_the_class_is_compiled_once_into_the_cache_and_reused(tmp_path):
     with zipfile.ZipFile(where) as z:
         assert "io/isbflow/hadoop/LocalFileSystem$Raw.class" in z.namelist()
     assert [p.name for p in tmp_path.iterdir()] == [where.name]  # no work directory left behind
-    # compiled once: the next session finds it without a compiler
+    # compiled once: the next SparkSession finds it without a compiler
     assert hadoop_fs.compile_class("/nonexistent/javac", jar, tmp_path) == where
     # a compiler that fails is said, and leaves nothing
     with pytest.raises(RuntimeError, match="failed"):

@@ -38,6 +38,6 @@ def test_the_plan_is_the_same_for_every_batch(spark, monkeypatch):
     publish(df, 41)
     publish(df, 42)
     assert len(plans) == 2 and plans[0] == plans[1]
-    # a version no expression id reaches (ids like k#41040 hold "41": CI's stop 33 failed on that)
+    # a version no expression id reaches (ids like k#41040 hold "41")
     assert str(row_version(3, 41)) not in plans[0]
     assert [s.fieldNames() for s in schemas] == [["k", "n", VERSION_COLUMN]] * 2
