@@ -35,10 +35,10 @@ turned into a rate):
 - ``lag``: messages the source step is behind, ``logs_bytes``: the driver logs' size
   (informational, in ``info_slopes`` with each kind of file).
 
-The JSON's ``slopes``: per metric, the mean over the first tenth and the last tenth of the
+The JSON's ``slopes``: per metric, the mean over the first fifth and the last fifth of the
 steady run (from the first sample at which every step has committed a batch to the end of
 producing), their ratio ``last / first`` and ``flat`` (ratio <= 1.1). Per-batch CPU and
-commit latency are ratios of the counters' growth over each tenth (a tenth in which no batch
+commit latency are ratios of the counters' growth over each fifth (a fifth in which no batch
 committed, as in a short run on a loaded machine, is widened towards the middle until one has;
 ``seconds`` gives each window's span). At the end the producer
 stops, the pipeline is drained and the raw sink is checked exact: every produced event but
@@ -72,13 +72,18 @@ FLAT = 1.1
 STARTUP_S = 900.0
 #: times the driver is launched again when it exits before every step has committed a batch
 STARTUP_RELAUNCHES = 3
-#: metric -> (label, how a tenth is summarised: "level" = mean of samples, or the counters' ratio)
+#: the slopes compare the first and the last of this many equal parts of the steady run
+PARTS = 5
+#: metric -> label (a part is summarised by the mean of its samples, or for RATIOS the counters' ratio)
 METRICS = {
     "cpu_per_batch_s": "CPU seconds of the driver tree per micro-batch (all queries)",
     "commit_latency_s": "mean micro-batch duration (Spark triggerExecution)",
     "heartbeat_age_s": "oldest step heartbeat age",
     "files_total": "files in the data dir (checkpoints, sinks, stats, logs, nats store)",
     "ledger_bytes": "bytes of the offset ledger's KV values",
+    "delta_log_bytes": "bytes of every sink's _delta_log (commits and checkpoints)",
+    "checkpoint_bytes": "bytes of the queries' Spark checkpoints (offsets, commits, state, metadata)",
+    "state_bytes": "bytes of the queries' state stores (the checkpoints' state folders)",
     "rss_bytes": "RSS of the driver tree",
     "pss_bytes": "PSS of the driver tree",
 }
@@ -90,6 +95,29 @@ RATIOS = {"cpu_per_batch_s": ("cpu_s", "batches_total"), "commit_latency_s": ("b
 
 def count_files(path: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(path)) if path.exists() else 0
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (files removed while it is walked are left out)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(folder, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def sizes(work: Path, pipeline: str, sinks: dict[str, Path]) -> dict[str, int]:
+    """Bytes of the sinks' Delta logs, the queries' checkpoints and their state stores."""
+    from isbflow.spec.paths import DataDir
+
+    cps = DataDir(work).checkpoints(pipeline)
+    queries = [q for q in (cps.iterdir() if cps.exists() else []) if q.is_dir()]
+    return {"delta_log_bytes": sum(dir_bytes(t / "_delta_log") for t in sinks.values()),
+            "checkpoint_bytes": sum(dir_bytes(q) for q in queries),
+            "state_bytes": sum(dir_bytes(q / "state") for q in queries)}
 
 
 def file_counts(work: Path, pipeline: str, sinks: dict[str, Path]) -> dict[str, int]:
@@ -196,10 +224,11 @@ async def nats_sample(nc, pipeline: str, steps: list[str]) -> dict:
 # ------------------------------------------------------------------ figures
 
 
-def tenths(series: list[dict], key: str, t0: float, t1: float) -> dict:
-    """``key`` over the first and the last tenth of ``[t0, t1]``: the mean of its samples, or for a
-    :data:`RATIOS` metric the growth of its numerator counter over its denominator's; their ratio."""
-    span = (t1 - t0) / 10
+def ends(series: list[dict], key: str, t0: float, t1: float, parts: int = PARTS) -> dict:
+    """``key`` over the first and the last of ``parts`` equal parts of ``[t0, t1]``: the mean of its
+    samples, or for a :data:`RATIOS` metric the growth of its numerator counter over its
+    denominator's; their ratio."""
+    span = (t1 - t0) / parts
 
     def summary(part: list[dict]) -> float | None:
         if key in RATIOS:
@@ -212,7 +241,7 @@ def tenths(series: list[dict], key: str, t0: float, t1: float) -> dict:
     inside = [s for s in series if t0 <= s["t"] <= t1]
     first = [s for s in inside if s["t"] <= t0 + span]
     last = [s for s in inside if s["t"] >= t1 - span]
-    if key in RATIOS:  # a tenth in which no batch committed (a short run on a loaded machine) has no
+    if key in RATIOS:  # a part in which no batch committed (a short run on a loaded machine) has no
         # ratio: widen it, up to the middle of the run, until its denominator grew
         half = len(inside) // 2
         first = _widen(first, inside[:half], RATIOS[key][1])
@@ -234,10 +263,11 @@ def _widen(part: list[dict], bound: list[dict], den: str) -> list[dict]:
 
 
 def slopes(series: list[dict], t0: float, t1: float) -> dict:
-    """Every metric of :data:`METRICS` with its tenths, ratio and ``flat`` (ratio <= :data:`FLAT`)."""
+    """Every metric of :data:`METRICS` with its first and last part, ratio and ``flat`` (ratio <=
+    :data:`FLAT`)."""
     out = {}
     for key, label in METRICS.items():
-        m = tenths(series, key, t0, t1)
+        m = ends(series, key, t0, t1)
         grew_from_zero = m["first"] == 0 and (m["last"] or 0) > 0  # no ratio: not flat
         out[key] = {"label": label, **m,
                     "flat": False if grew_from_zero else None if m["ratio"] is None else m["ratio"] <= FLAT}
@@ -357,6 +387,7 @@ def run(args, result: dict) -> None:
             s["logs_bytes"] = sum(f.stat().st_size for f in DataDir(work).logs.glob("*") if f.is_file())
             s["files"] = file_counts(work, p.name, sinks)
             s["files_total"] = s["files"]["total"]
+            s.update(sizes(work, p.name, sinks))
             series.append(s)
             if steady_at is None and all(n > 0 for n in per_step.values()):
                 steady_at, deadline = s["t"], min(now + args.max_minutes * 60, wall_end)
@@ -404,7 +435,7 @@ def run(args, result: dict) -> None:
         for kind in series[-1]["files"]:  # each kind of file on its own (files_total sums them)
             for x in series:
                 x[f"files_{kind}"] = x["files"].get(kind, 0)
-        result["info_slopes"] = {key: tenths(series, key, steady_at, t_end)
+        result["info_slopes"] = {key: ends(series, key, steady_at, t_end)
                                  for key in ["lag", "logs_bytes", *(f"files_{k}" for k in series[-1]["files"])]}
         result["files_final"] = series[-1]["files"]
         result["delta_log_files_peak"] = {k: max(x["files"].get(f"sink_{k}_log", 0) for x in series) for k in sinks}

@@ -1,7 +1,7 @@
 """bench/soak.py --quick runs the demo pipeline continuously, drains it and reports every slope.
 
 Runs the benchmark as a subprocess (its own nats-server and detached driver, both stopped by
-PID when it ends); checks the JSON has every metric with its first tenth, last tenth and
+PID when it ends); checks the JSON has every metric with its first part, last part and
 ratio, that every step committed micro-batches, and that the raw sink came out exact (every
 produced event but the dead letters, none twice). No timing or slope is asserted.
 """
@@ -27,7 +27,7 @@ def test_quick_soak_reports_every_slope_and_loses_nothing(tmp_path):
     assert set(r["slopes"]) == set(METRICS)
     for key, m in r["slopes"].items():
         assert isinstance(m["first"], (int, float)) and isinstance(m["last"], (int, float)), (key, m)
-        if m["ratio"] is None:  # only when it grew from nothing (e.g. no ledger entry in the first tenth)
+        if m["ratio"] is None:  # only when it grew from nothing (e.g. no ledger entry in the first part)
             assert m["first"] == 0 < m["last"] and m["flat"] is False, (key, m)
         else:
             assert isinstance(m["ratio"], (int, float)) and m["ratio"] >= 0, (key, m)
@@ -58,20 +58,20 @@ def _soak():
     return mod
 
 
-def test_a_tenth_in_which_no_batch_committed_is_widened_until_one_did():
-    """CI once saw no batch commit in a quick run's first tenth (4.5 s on a loaded machine): the
-    per-batch CPU then had no first value. The window grows towards the middle until one did."""
+def test_a_part_in_which_no_batch_committed_is_widened_until_one_did():
+    """A quick run's first part can hold no committed batch (4.5 s on a loaded machine): the
+    per-batch CPU then has no first value. The window grows towards the middle until one did."""
     soak = _soak()
     # samples every 2 s over 40 s; batches commit from t=8 on, one per 2 s; CPU 0.5 s per batch
     series = [{"t": t, "batches_total": max(0, (t - 6) // 2), "cpu_s": 0.5 * max(0, (t - 6) // 2) + 0.1 * t}
               for t in range(0, 42, 2)]
-    m = soak.tenths(series, "cpu_per_batch_s", 0, 40)
+    m = soak.ends(series, "cpu_per_batch_s", 0, 40, parts=10)
     assert m["first"] is not None and m["last"] is not None, m
     assert m["seconds"][0] == 8 and m["samples"][0] == 5, m  # 0..8: the first sample that saw a batch
-    assert m["seconds"][1] == 4 and m["samples"][1] == 3, m  # the last tenth had batches: unchanged
+    assert m["seconds"][1] == 4 and m["samples"][1] == 3, m  # the last part had batches: unchanged
     # a counter that never moves stays without a figure, rather than a made-up one
     flat = [{**s, "batches_total": 0} for s in series]
-    assert soak.tenths(flat, "cpu_per_batch_s", 0, 40)["first"] is None
-    # a level metric keeps its plain tenths
-    lv = soak.tenths([{**s, "rss_bytes": 100} for s in series], "rss_bytes", 0, 40)
+    assert soak.ends(flat, "cpu_per_batch_s", 0, 40, parts=10)["first"] is None
+    # a level metric keeps its plain parts
+    lv = soak.ends([{**s, "rss_bytes": 100} for s in series], "rss_bytes", 0, 40, parts=10)
     assert lv["samples"] == [3, 3] and lv["ratio"] == 1.0, lv
