@@ -68,18 +68,6 @@ class JetStreamHook(BaseHook):
         self.nats_conn_id = nats_conn_id
         self.data_dir = data_dir
 
-    @classmethod
-    def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["schema"],
-            "relabeling": {"host": "Server(s)", "login": "User"},
-            "placeholders": {
-                "host": "127.0.0.1  or  nats://n1:4222,nats://n2:4222",
-                "port": "4222",
-                "extra": '{"token": "...", "creds_file": "/path/user.creds", "tls_ca": "/path/ca.pem"}',
-            },
-        }
-
     def get_settings(self, service: InterStepBufferService | None = None) -> NatsSettings:
         """The settings of the connection, or the fallback (module docstring) when it is undefined.
 
