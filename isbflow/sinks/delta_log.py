@@ -282,7 +282,7 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
                                             commit_properties=CommitProperties(custom_metadata=fold))
             return version
         except CommitFailedError as e:
-            # a live sink committed between loading the table and the fold's commit (CI run21: an
+            # a live sink committed between loading the table and the fold's commit (e.g. an
             # upsert's merge, "a concurrent transaction deleted data this operation read")
             if attempt == FOLD_ATTEMPTS:
                 raise
