@@ -75,7 +75,7 @@ works in ``merge`` mode too (recovery of such a sink: the latest version of a
 missing key is inserted). Like ``merge``, it funnels the batch through the
 driver: fine for aggregates, whose rows are few.
 
-delta-rs records app transactions but does not enforce them (NOTES.md), hence
+delta-rs records app transactions but does not enforce them, hence
 the check in ``commit``. The check-then-commit is not atomic: one app id must
 have one running query (Spark's checkpoint already demands that). The table
 folder must be a local or shared filesystem path reachable by the driver and
@@ -311,7 +311,7 @@ def _again_after_maintenance(commit, where: str):
     changed the table under it: a property change (setting the log retention: a metadata commit
     fails every concurrent commit with "Metadata changed"), or a trimmed log (the commits after the
     attempt's snapshot that the conflict check reads were folded and removed: "Invalid table
-    version: N", CI stop 29's soak; :mod:`isbflow.local.delta`). Neither failure wrote anything. A
+    version: N"; :mod:`isbflow.local.delta`). Neither failure wrote anything. A
     batch's append or merge does not depend on what maintenance changes; each attempt reads the
     table again, schema checks included."""
     for attempt in range(METADATA_RETRIES + 1):
