@@ -374,7 +374,7 @@ def start_embedded(
             return launch(_ports(ndir, cluster, client_port))
         except PortTaken:
             # a port found free was taken before the server bound it (another process's
-            # ephemeral port: CI at stop 28): fresh ports, unless a fixed client port is the one taken
+            # ephemeral port): fresh ports, unless a fixed client port is the one taken
             if attempt == PORT_ATTEMPTS:
                 raise
             (ndir / PORTS_FILE).unlink(missing_ok=True)
