@@ -1,4 +1,4 @@
-"""Delta tables on this machine, loaded while their log is being bounded.
+"""Local Delta tables, loaded while their log is being bounded.
 
 Loading a Delta table (delta-rs ``DeltaTable(path)``) reads ``_last_checkpoint``,
 lists ``_delta_log`` and then reads the checkpoint and the commits after it.
@@ -82,7 +82,7 @@ def load_table(path: str, version: int | None = None) -> DeltaTable:
 
 
 def log_root(table: DeltaTable) -> Path:
-    """The ``_delta_log`` folder of a table on this machine."""
+    """The ``_delta_log`` folder of a local table."""
     return Path(url2pathname(urlparse(table.table_uri).path)) / "_delta_log"
 
 
