@@ -381,7 +381,7 @@ class FilesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def commit(self, end: dict) -> None:
-        # Not an acknowledgement (NOTES.md): forget line counts of files wholly before `end`.
+        # Not an acknowledgement (steps acknowledge nothing): forget line counts of files wholly before `end`.
         pos = Position.from_json(end)
         for name in [n for n in self._counts if n < pos.file]:
             del self._counts[name]
