@@ -1,6 +1,6 @@
 """Every path under the data dir, built in one place.
 
-The data dir (``--data-dir``, ``ISBFLOW_DATA_DIR``, default ``.isbflow``)
+The data dir (``--data-dir``, ``ISBFLOW_HOME``, default ``.isbflow``)
 holds all a pipeline keeps on disk besides its sinks:
 
     nats/                              the embedded ISB service (config, JetStream store, log)
