@@ -23,8 +23,8 @@ role can listen to another's replies (a direct get's reply carries buffer data).
 
 :func:`pipeline_grants` derives a pipeline's grants from its spec (the names of
 :mod:`isbflow.spec.derived`); :func:`authorization_block` renders the users for a
-nats-server config, which is also how an external server is configured (README,
-"Least privilege on NATS").
+nats-server config, which is also how an external server is configured
+(docs/operations/nats-roles.md).
 """
 
 from __future__ import annotations
