@@ -41,7 +41,7 @@ def _print_connection(state: ServerState) -> None:
         console.print(f"user {state.user}, password in {state.password_file} (not printed; isbflow commands "
                       "read it through --data-dir)", markup=False, highlight=False)
         console.print(f"role users reader, producer, pipeline-<name>: passwords in "
-                      f"{Path(state.password_file or '').parent}/<user>.password (README, 'Least privilege on NATS')",
+                      f"{Path(state.password_file or '').parent}/<user>.password (docs/operations/nats-roles.md)",
                       markup=False, highlight=False)
 
 
