@@ -64,7 +64,7 @@ from typing import Any
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.state import Observed, StepStatus, all_status
 from isbflow.local.files import ROTATED_SUFFIX, keep_newest, tail
-from isbflow.local.procs import process_alive, process_start
+from isbflow.local.procs import group_members, process_alive, process_start
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
 from isbflow.steps.driver import (  # noqa: F401 - re-exported
@@ -380,8 +380,11 @@ def stop_process(pid: int, proc_start: int | None = None, grace: float = 30.0) -
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and process_alive(pid, proc_start):
             time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # leftovers of the group (a JVM whose driver died)
+    # leftovers of the group (a JVM whose driver died): its members, never a group that took the
+    # number since (a whole-group kill could reach one once the leader is gone)
+    for member in group_members(pid, proc_start):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
 
 
 def wait_exit(record: LaunchRecord, timeout: float) -> bool:

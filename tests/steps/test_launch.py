@@ -196,6 +196,38 @@ def test_stop_process_leaves_a_reused_pid_alone():
             child.wait()
 
 
+def test_stop_process_kills_the_leftovers_of_its_group_and_never_a_group_that_took_its_number():
+    """The leader is gone and its group lives on (a JVM whose driver died): its members are killed.
+    A group that took the number after the leader ended (members started before the recorded
+    leader cannot be its) is left alone: no whole-group kill on a number alone."""
+    import signal
+    import subprocess
+
+    from isbflow.local.procs import group_members, process_alive, process_start
+
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen(['sleep', '60']); print('up', flush=True); time.sleep(60)"],
+                              start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert leader.stdout.readline().strip() == "up"
+        start = process_start(leader.pid)
+        (kid,) = [p for p in group_members(leader.pid) if p != leader.pid]
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=10)
+        L.stop_process(leader.pid, proc_start=start + 10**9, grace=1.0)  # a record newer than the group
+        assert process_alive(kid), "a group the record cannot own was killed"
+        L.stop_process(leader.pid, proc_start=start, grace=1.0)  # the group's own record
+        deadline = time.monotonic() + 10
+        while process_alive(kid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process_alive(kid)
+    finally:
+        for p in group_members(leader.pid):
+            os.kill(p, signal.SIGKILL)
+        if leader.poll() is None:
+            leader.kill()
+
+
 def test_a_new_launch_keeps_only_the_newest_logs_of_its_key(data_dir):
     logs = data_dir.absolute() / "logs"
     logs.mkdir()
