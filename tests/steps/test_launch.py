@@ -215,6 +215,7 @@ def test_stop_process_kills_the_leftovers_of_its_group_and_never_a_group_that_to
         os.kill(leader.pid, signal.SIGKILL)
         leader.wait(timeout=10)
         L.stop_process(leader.pid, proc_start=start + 10**9, grace=1.0)  # a record newer than the group
+        time.sleep(0.5)  # a signal sent is delivered at once, but not before the call returns
         assert process_alive(kid), "a group the record cannot own was killed"
         L.stop_process(leader.pid, proc_start=start, grace=1.0)  # the group's own record
         deadline = time.monotonic() + 10
