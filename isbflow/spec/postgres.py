@@ -31,12 +31,19 @@ ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 WHERE = ("connection", "dsn")
 
 
+#: libpq's secret keywords: the password, and the passphrase of the client's SSL key
+SECRET_KEYWORDS = ("password", "sslpassword")
+#: the platform's own variables, which ``passwordEnv`` may not name (they hold its credentials)
+PLATFORM_ENV_PREFIXES = ("ISBFLOW_", "NATS_", "AIRFLOW_", "AIRFLOW__", "SPARK_", "PYSPARK_")
+
+
 def dsn_has_password(dsn: str) -> bool:
-    """Whether a libpq keyword string or a ``postgres(ql)://`` URI carries a password."""
+    """Whether a libpq keyword string or a ``postgres(ql)://`` URI carries a password or an SSL key
+    passphrase (``sslpassword``)."""
     if dsn.startswith(("postgres://", "postgresql://")):
         parts = urlsplit(dsn)
-        return parts.password is not None or "password" in parse_qs(parts.query)
-    return re.search(r"(^|\s)password\s*=", dsn) is not None
+        return parts.password is not None or any(k in parse_qs(parts.query) for k in SECRET_KEYWORDS)
+    return re.search(r"(^|\s)(ssl)?password\s*=", dsn) is not None
 
 
 class PostgresSink(SpecModel):
@@ -80,6 +87,9 @@ class PostgresSink(SpecModel):
     def _env(cls, v: str | None) -> str | None:
         if v is not None and not ENV_RE.match(v):
             raise ValueError(f"{v!r} is not an environment variable name")
+        if v is not None and v.upper().startswith(PLATFORM_ENV_PREFIXES):
+            raise ValueError(f"{v!r} is one of the platform's own variables ({', '.join(PLATFORM_ENV_PREFIXES)}...), "
+                             "which hold its credentials; name a variable of your own")
         return v
 
     @model_validator(mode="after")

@@ -157,6 +157,15 @@ CASES: list[tuple[str, Callable[[Docs], Any], str, list[str]]] = [
     ("sink-postgres-dsn-password", lambda d: _vertex(d, "raw").update(sink={"postgres": {
         "table": "raw_events", "dsn": "postgresql://isb:s3cret@127.0.0.1:5432/logs"}}),
      "vertices[4].sink.postgres.dsn", ["holds a password", "passwordFile", "Airflow connection"]),
+    ("sink-postgres-dsn-sslpassword", lambda d: _vertex(d, "raw").update(sink={"postgres": {
+        "table": "raw_events", "dsn": "host=127.0.0.1 dbname=logs sslpassword=k3y"}}),
+     "vertices[4].sink.postgres.dsn", ["holds a password"]),
+    ("sink-postgres-uri-sslpassword", lambda d: _vertex(d, "raw").update(sink={"postgres": {
+        "table": "raw_events", "dsn": "postgresql://isb@127.0.0.1/logs?sslpassword=k3y"}}),
+     "vertices[4].sink.postgres.dsn", ["holds a password"]),
+    ("sink-postgres-platform-env", lambda d: _vertex(d, "raw").update(sink={"postgres": {
+        "table": "raw_events", "dsn": "postgresql://isb@127.0.0.1/logs", "passwordEnv": "NATS_PASSWORD"}}),
+     "vertices[4].sink.postgres.passwordEnv", ["platform's own variables", "NATS_"]),
     ("sink-postgres-no-server", lambda d: _vertex(d, "raw").update(sink={"postgres": {"table": "raw_events"}}),
      "vertices[4].sink.postgres", ["needs exactly one of: connection, dsn", "found none"]),
     ("sink-postgres-bad-table", lambda d: _vertex(d, "raw").update(sink={"postgres": {
