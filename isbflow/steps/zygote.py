@@ -56,6 +56,10 @@ PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", 
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 #: seconds the zygote may take to import :data:`PRELOAD` (~1 s here; a loaded machine takes longer)
 START_TIMEOUT = 120.0
+#: seconds a launcher has to send its whole request once connected (it sends it as it connects; a
+#: slower one is answered -1 and runs the real Python). Nothing waits on it: requests are read side
+#: by side (:mod:`isbflow.steps.zygote_server`), so it only bounds what a silent client holds
+RECV_TIMEOUT = 10.0
 
 #: the launcher's Python (run with -I -S: no site-packages, nothing from the environment). It imports
 #: only C modules (``_socket``, ``_signal``, ``_struct``, ``select``; no ``json``, ``socket`` or
@@ -101,9 +105,12 @@ f = os.fsencode
 req = b"\0".join([f(args[1]), f(os.getcwd()), b"%d" % (len(args) - 2), *map(f, args[2:]),
                   *(f(k) + b"=" + f(v) for k, v in os.environ.items())])
 req = _struct.pack("!I", len(req)) + req
-sent = s.sendmsg([req], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _struct.pack("3i", 0, 1, 2))])
-if sent < len(req):
-    s.sendall(req[sent:])
+try:
+    sent = s.sendmsg([req], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _struct.pack("3i", 0, 1, 2))])
+    if sent < len(req):
+        s.sendall(req[sent:])
+except OSError:  # the zygote went away, or dropped us
+    cold()
 def recv(n):
     b = b""
     while len(b) < n:
@@ -111,8 +118,8 @@ def recv(n):
             os.read(wake, 64)  # a signal: its handler has run
             continue
         c = s.recv(n - len(b))
-        if not c:
-            sys.exit(1)
+        if not c:  # the zygote ended: before it forked a child, run the real Python
+            cold() if pid <= 0 else sys.exit(1)
         b += c
     return b
 child = _struct.unpack("!i", recv(4))[0]
@@ -144,12 +151,15 @@ def decode_request(body: bytes) -> dict:
 class Zygote:
     """A running zygote: its process, its socket and the launcher Spark runs as Python."""
 
-    def __init__(self, real_python: str, forked: tuple[str, ...] = FORKED):
+    def __init__(self, real_python: str, forked: tuple[str, ...] = FORKED, recv_timeout: float = RECV_TIMEOUT):
+        """Start the zygote for ``real_python``; it runs only the modules ``forked`` (the launcher
+        hands it nothing else) for processes of this one's uid that descend from this one."""
         self.real = real_python
         self.dir = Path(tempfile.mkdtemp(prefix="isbflow-zygote-"))  # 0700
         self.socket = str(self.dir / "zygote.sock")
         self.launcher = str(self.dir / "python")
-        self.proc = subprocess.Popen([real_python, "-m", "isbflow.steps.zygote_server", self.socket],
+        self.proc = subprocess.Popen([real_python, "-m", "isbflow.steps.zygote_server", self.socket,
+                                      str(recv_timeout), *forked],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self.proc.stdout is not None
         # the server prints "ready" once it listens (its imports done); a start that hangs is given up

@@ -1,10 +1,31 @@
-"""The zygote process of :mod:`isbflow.steps.zygote`: ``python -m isbflow.steps.zygote_server SOCKET``.
+"""The zygote process of :mod:`isbflow.steps.zygote`: ``python -m isbflow.steps.zygote_server SOCKET
+[TIMEOUT [MODULE ...]]``.
 
 Imports what a source runner imports, listens on ``SOCKET``, prints ``ready``, then for each
 launcher that connects: receives the request (module, environment, working directory) and the
 launcher's standard streams, forks, and in the child runs the module as ``__main__`` on those
 streams. It sends the launcher the child's pid, then the child's exit code when it ends. It exits
 when its standard input closes (its driver ended or closed it).
+
+Contract towards its clients (anything that can reach the socket, which its 0700 directory and
+0600 mode already keep to the driver's user):
+
+- *who*: only a process of the zygote's own uid (``SO_PEERCRED``) that descends from the process
+  that started the zygote, its driver. Spark's launchers do (the driver starts the JVM, the JVM
+  the launchers); another driver's processes under the same uid do not. The uid alone would let
+  any of them have this driver's zygote fork a child, a copy of a process started with this
+  driver's environment (its credentials) and whatever confinement the driver's processes run
+  under. The peer is pinned by its pidfd (``SO_PEERPIDFD``, Linux 6.5+) while its ancestry is read,
+  so a client that connects and exits cannot pass on a recycled pid (without it the residual race
+  is a pid reused within the check);
+- *what*: only the modules it was started with (``MODULE``; by default :data:`FORKED`, the two
+  Spark starts: its streaming source runner and its forking daemon);
+- *when*: a request arrives without blocking anyone: each connection is read as its bytes come,
+  beside the others, and one that has not sent its whole request within ``TIMEOUT`` seconds
+  (:data:`RECV_TIMEOUT`) is dropped; at most :data:`MAX_PENDING` requests are in flight (past it
+  the oldest is dropped);
+- a refused or failed request is answered with pid ``-1`` (the launcher then runs the real Python
+  itself, as it does without a zygote), and the descriptors it carried are closed on every path.
 """
 
 from __future__ import annotations
@@ -18,37 +39,128 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 
 import pyspark
 
-from isbflow.steps.zygote import DAEMON, PRELOAD, SOURCE_RUNNER, decode_request
+from isbflow.steps.zygote import (
+    DAEMON,
+    FORKED,
+    PRELOAD,
+    RECV_TIMEOUT,
+    SOURCE_RUNNER,
+    decode_request,
+)
 
 MAX_REQUEST = 1 << 20
+#: requests being received at once, at most (a launcher sends its whole request as it connects)
+MAX_PENDING = 32
+#: ``SO_PEERPIDFD`` (Linux 6.5+; Python 3.11's socket module does not name it)
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One length-prefixed request and the three descriptors sent with it."""
-    data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 3)
-    if len(fds) != 3 or len(data) < 4:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("a launcher request needs its three standard streams")
-    (n,) = struct.unpack("!I", data[:4])
-    if n > MAX_REQUEST:
-        raise ValueError(f"a launcher request of {n} bytes")
-    body = data[4:]
-    while len(body) < n:
-        chunk = conn.recv(n - len(body))
-        if not chunk:
+class Refused(ValueError):
+    """A request the zygote does not serve; the message says why."""
+
+
+class _Pending:
+    """A launcher's connection whose request is still arriving, and the descriptors it sent."""
+
+    def __init__(self, conn: socket.socket, deadline: float):
+        self.conn, self.deadline = conn, deadline
+        self.refused: str | None = None  # why its client is not served (answered once its request is in)
+        self.data = b""
+        self.fds: list[int] | None = None  # None: nothing received yet
+
+    def receive(self) -> dict | None:
+        """Read what has arrived: the request once whole (None before). ValueError when it is not one
+        (:meth:`close` then closes what it carried)."""
+        if self.fds is None:
+            data, fds, _flags, _addr = socket.recv_fds(self.conn, 65536, 3)
+            self.fds = list(fds)
+            if len(self.fds) != 3:
+                raise ValueError("a launcher request needs its three standard streams")
+        else:
+            data = self.conn.recv(65536)
+        if not data:
             raise ValueError("the launcher went away mid-request")
-        body += chunk
+        self.data += data
+        if len(self.data) < 4:
+            return None
+        (n,) = struct.unpack("!I", self.data[:4])
+        if n > MAX_REQUEST:
+            raise ValueError(f"a launcher request of {n} bytes (at most {MAX_REQUEST})")
+        if len(self.data) < 4 + n:
+            return None
+        if len(self.data) > 4 + n:
+            raise ValueError("bytes after the launcher request")
+        return decode_request(self.data[4:])
+
+    def close(self, reply: bool = False) -> None:
+        """Close the descriptors received and the connection (``reply``: first answer pid -1, so a
+        launcher runs the real Python itself)."""
+        for fd in self.fds or ():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        if reply:
+            _send_pid(self.conn, -1)
+        self.conn.close()
+
+
+def _send_pid(conn: socket.socket, value: int) -> None:
     try:
-        return decode_request(body), fds
-    except ValueError:
-        for fd in fds:
-            os.close(fd)
-        raise
+        conn.setblocking(True)
+        conn.settimeout(1.0)  # four bytes into an empty socket buffer: never waits in practice
+        conn.sendall(struct.pack("!i", value))
+    except OSError:
+        pass  # the launcher is gone
+
+
+def _parent_of(pid: int) -> int:
+    """``pid``'s parent (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm)": state, then ppid
+
+
+def _pidfd_of(conn: socket.socket) -> int | None:
+    try:
+        return conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return None  # a kernel before 6.5
+
+
+def check_peer(conn: socket.socket, driver: int) -> None:
+    """:class:`Refused` unless the process at the other end of ``conn`` runs under this uid and
+    descends from ``driver`` (module docstring)."""
+    pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    if uid != os.getuid():
+        raise Refused(f"a client of uid {uid} (pid {pid}); only uid {os.getuid()} is served")
+    if os.getppid() != driver:
+        raise Refused(f"the driver (pid {driver}) that started the zygote is gone")
+    pidfd = _pidfd_of(conn)
+    try:
+        at, steps = pid, 0
+        while at not in (driver, 0, 1) and steps < 64:
+            at, steps = _parent_of(at), steps + 1
+        if at != driver:
+            raise Refused(f"process {pid} does not descend from the driver (pid {driver}) that started the zygote")
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, 0)
+            except ProcessLookupError:
+                raise Refused(f"process {pid} ended before its request was read") from None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 _PYSPARK = os.path.realpath(os.path.dirname(pyspark.__file__))
@@ -125,10 +237,25 @@ def _child(req: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-def serve(path: str) -> None:
+def _fork(req: dict, fds: list[int], closing: list) -> int:
+    """Fork the child that runs ``req`` on ``fds``; in the child, ``closing`` (sockets and
+    :class:`_Pending` requests of other launchers) is closed first. The parent gets the pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for c in closing:
+            c.close()
+        _child(req, fds)
+    return pid
+
+
+def serve(path: str, allowed: tuple[str, ...] = FORKED, recv_timeout: float = RECV_TIMEOUT) -> None:
+    """Serve launchers on ``path`` until standard input closes (module docstring: the contract)."""
     # a Ctrl-C in the terminal reaches the whole process group: the zygote ends with its driver
     # instead (its stdin closes), and runners already forked stop as Spark tells them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    driver = os.getppid()
     for name in PRELOAD:
         importlib.import_module(name)
     # what was imported stays out of the cyclic GC's reach: a child's collections then do not write
@@ -142,38 +269,75 @@ def serve(path: str) -> None:
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
     waiting: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
+    pending: dict[socket.socket, _Pending] = {}  # requests still arriving, oldest first
+
+    def drop(p: _Pending, why: str, reply: bool = True) -> None:
+        sys.stderr.write(f"isbflow zygote: request refused: {p.refused or why}\n")
+        pending.pop(p.conn, None)
+        sel.unregister(p.conn)
+        p.close(reply=reply)
+
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while True:
-        for key, _ in sel.select(timeout=0.2):
+        now = time.monotonic()
+        for p in [p for p in pending.values() if p.deadline <= now]:
+            drop(p, f"no whole request within {recv_timeout:g}s")
+        wait = min([0.2, *(p.deadline - now for p in pending.values())])
+        for key, _ in sel.select(timeout=max(wait, 0.0)):
             if key.data == "stdin":
                 if not os.read(sys.stdin.fileno(), 4096):
                     return  # the driver closed our stdin or ended
-            else:
-                conn, _ = listener.accept()
+            elif key.data == "accept":
                 try:
-                    req, fds = _recv_request(conn)
-                except (OSError, ValueError) as e:
-                    sys.stderr.write(f"isbflow zygote: bad request: {e}\n")
-                    conn.close()
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for c in waiting.values():
-                        c.close()
-                    conn.close()
-                    sel.close()
-                    _child(req, fds)
-                for fd in fds:
-                    os.close(fd)
-                try:
-                    conn.sendall(struct.pack("!i", pid))
+                    conn, _ = listener.accept()
                 except OSError:
-                    pass  # the launcher is gone; the child still runs (Spark stops it through its socket)
-                waiting[pid] = conn
+                    continue
+                p = _Pending(conn, time.monotonic() + recv_timeout)
+                try:
+                    check_peer(conn, driver)
+                except (Refused, OSError) as e:
+                    # answered once its request is in: closed before, a launcher's send would fail
+                    # (EPIPE) instead of reading -1 and running the real Python
+                    p.refused = str(e)
+                if len(pending) >= MAX_PENDING:
+                    drop(next(iter(pending.values())), f"over {MAX_PENDING} requests in flight, the oldest dropped")
+                conn.setblocking(False)
+                pending[conn] = p
+                sel.register(conn, selectors.EVENT_READ, p)
+            else:
+                p = key.data
+                if pending.get(p.conn) is not p:
+                    continue  # dropped since select returned (the oldest, past MAX_PENDING)
+                try:
+                    req = p.receive()
+                    if req is None:
+                        continue
+                    if p.refused is not None:
+                        raise Refused(p.refused)
+                    if req["module"] not in allowed:
+                        raise Refused(f"module {req['module']!r} is not one it runs ({', '.join(allowed)})")
+                except BlockingIOError:
+                    continue
+                except (OSError, ValueError) as e:
+                    drop(p, str(e))
+                    continue
+                pending.pop(p.conn)
+                sel.unregister(p.conn)
+                fds, p.fds = p.fds or [], []
+                try:
+                    pid = _fork(req, fds, [listener, sel, *waiting.values(), *pending.values(), p.conn])
+                except OSError as e:
+                    sys.stderr.write(f"isbflow zygote: cannot fork for {req['module']}: {e}\n")
+                    pid = -1
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                _send_pid(p.conn, pid)
+                if pid > 0:
+                    waiting[pid] = p.conn
+                else:
+                    p.conn.close()
         while waiting:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -191,4 +355,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], tuple(sys.argv[3:]) or FORKED, float(sys.argv[2]) if len(sys.argv) > 2 else RECV_TIMEOUT)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -164,3 +168,184 @@ def test_the_launcher_request_round_trips_and_the_launcher_imports_only_c_module
     for bad in (b"", b"m\0/", b"m\0/\0x", b"m\0/\x003\0a", b"m\0/\x000\0NOEQUALS", b"m\0/\x000\0=v"):
         with pytest.raises(ValueError):
             zygote.decode_request(bad)
+
+
+# ----------------------------------------------------------------------------- what the zygote serves
+
+
+def _request(module: str, argv: tuple[str, ...] = (), env: dict[str, str] | None = None) -> bytes:
+    """A launcher's request (zygote.LAUNCHER), length-prefixed."""
+    f = os.fsencode
+    body = b"\0".join([f(module), f(os.getcwd()), b"%d" % len(argv), *map(f, argv),
+                       *(f(k) + b"=" + f(v) for k, v in (env or probe_env()).items())])
+    return struct.pack("!I", len(body)) + body
+
+
+def _send(path: str, data: bytes, fds: list[int] | None = None) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(WAIT)
+    s.connect(path)
+    if fds is not None:
+        socket.send_fds(s, [data], fds)
+    elif data:
+        s.sendall(data)
+    return s
+
+
+def _reply(s: socket.socket) -> int | None:
+    """The zygote's first answer (a pid, -1: refused), None when it closed without one."""
+    got = b""
+    while len(got) < 4:
+        chunk = s.recv(4 - len(got))
+        if not chunk:
+            return None
+        got += chunk
+    return struct.unpack("!i", got)[0]
+
+
+def _holding(pid: int, fd: int) -> int:
+    """How many of process ``pid``'s descriptors refer to the pipe ``fd`` is an end of."""
+    target = f"pipe:[{os.fstat(fd).st_ino}]"
+    held = 0
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held += os.readlink(f"/proc/{pid}/fd/{entry}") == target
+        except OSError:
+            pass  # closed while listed
+    return held
+
+
+def _lets_go(pid: int, fd: int, within: float) -> bool:
+    """Whether process ``pid`` holds no end of ``fd``'s pipe within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while _holding(pid, fd) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _holding(pid, fd)
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """A zygote that drops a silent client after a second."""
+    z = zygote.Zygote(sys.executable, forked=(PROBE,), recv_timeout=1.0)
+    yield z
+    z.close()
+
+
+def test_a_silent_client_does_not_stall_the_next_launcher_and_is_dropped(quick, tmp_path):
+    silent = _send(quick.socket, b"")
+    half = _send(quick.socket, _request(PROBE)[:10], fds=[0, 1, 2])  # a request cut short
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([quick.launcher, "-m", PROBE, "0"], input="x\n", capture_output=True, text=True,
+                           cwd=tmp_path, env=probe_env(), timeout=15)
+        assert r.returncode == 0 and json.loads(r.stdout)["preloaded"] is True, r.stderr
+        assert time.monotonic() - t0 < 10
+        # both are answered -1 (a launcher then runs the real Python) and closed after recv_timeout
+        assert _reply(silent) == -1 and silent.recv(1) == b""
+        assert _reply(half) == -1 and half.recv(1) == b""
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_only_the_modules_it_was_started_with_are_run(zyg):
+    r, w = os.pipe()
+    try:
+        s = _send(zyg.socket, _request("json.tool"), fds=[r, w, w])
+        assert _reply(s) == -1
+        s.close()
+    finally:
+        os.close(r)
+        os.close(w)
+    # the default: the two modules Spark starts, and nothing else
+    assert zygote.FORKED == ("pyspark.sql.streaming.python_streaming_source_runner", "pyspark.daemon")
+    default = inspect.signature(zygote.Zygote).parameters["forked"].default
+    assert default == zygote.FORKED
+
+
+def test_the_descriptors_of_a_bad_request_are_closed_on_every_path(quick):
+    """The zygote holds a launcher's standard streams: left open, a runner's stdout never ends."""
+    body = _request(PROBE)
+    bad = {
+        "too large": struct.pack("!I", (1 << 20) + 1) + b"x" * 16,
+        "not a request": struct.pack("!I", 3) + b"abc",
+        "another module": _request("json.tool"),
+        "two streams only": body,
+        "gone mid-request": body[: len(body) // 2],
+        "silent after its streams": body[:2],
+    }
+    for why, data in bad.items():
+        r, w = os.pipe()
+        s = _send(quick.socket, data, fds=[r, w] if why == "two streams only" else [r, w, w])
+        reply = -1 if why == "gone mid-request" else _reply(s)
+        s.close()
+        os.close(w)
+        assert _lets_go(quick.proc.pid, r, within=5), f"{why}: the zygote holds {_holding(quick.proc.pid, r)} of its fds"
+        os.close(r)
+        assert reply == -1, why  # answered: a launcher runs the real Python
+
+
+def test_a_process_that_does_not_descend_from_the_driver_is_refused(zyg, tmp_path):
+    """Another driver's processes run under the same uid: only this driver's descendants are served."""
+    out = tmp_path / "reply"
+    client = f"""
+import os, socket, struct, sys, time
+first = os.getpid()
+if os.fork():
+    os._exit(0)
+deadline = time.monotonic() + 30
+while os.getppid() == first and time.monotonic() < deadline:  # until re-parented away from this tree
+    time.sleep(0.01)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(30)
+s.connect({zyg.socket!r})
+socket.send_fds(s, [{_request(PROBE)!r}], [0, 1, 2])
+got = b""
+while len(got) < 4:
+    c = s.recv(4 - len(got))
+    if not c:
+        break
+    got += c
+open({str(out)!r} + ".tmp", "w").write(str(struct.unpack("!i", got)[0]) if len(got) == 4 else "closed")
+os.rename({str(out)!r} + ".tmp", {str(out)!r})
+"""
+    subprocess.run([sys.executable, "-c", client], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   timeout=WAIT, check=True)
+    deadline = time.monotonic() + WAIT
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == "-1"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_a_process_of_another_uid_is_refused(zyg):
+    """The socket's directory keeps other users out; were it opened up, SO_PEERCRED still does."""
+    os.chmod(zyg.dir, 0o711)
+    os.chmod(zyg.socket, 0o666)
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # a descendant of the driver, under another uid
+            code = 1
+            try:
+                os.close(r)
+                os.setgid(65534)
+                os.setuid(65534)
+                s = _send(zyg.socket, _request(PROBE), fds=[0, 1, 2])
+                os.write(w, str(_reply(s)).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        w = -1
+        got = b""
+        while chunk := os.read(r, 64):
+            got += chunk
+        assert os.waitpid(pid, 0)[1] == 0
+        assert got == b"-1"
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        os.chmod(zyg.socket, 0o600)
+        os.chmod(zyg.dir, 0o700)
