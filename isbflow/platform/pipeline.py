@@ -27,7 +27,8 @@ from typing import Any
 
 from isbflow.ops import nats as nats_server
 from isbflow.ops import pipeline as ops_pipeline
-from isbflow.ops.connection import NatsSettings
+from isbflow.ops.connection import PRODUCER, NatsSettings
+from isbflow.ops.isb import role_settings
 from isbflow.ops.pipeline import LaunchRecord, StateCheck
 from isbflow.ops.processes import driver_env, process_start, stop_process, wait_exit
 from isbflow.platform.procs import MARKER_ENV
@@ -129,7 +130,8 @@ def start_producer(data_dir: Path, opts: PipelineOptions, p: Pipeline, settings:
     cmd = [isbflow_bin(), "produce", "-f", str(Path(opts.spec).absolute()), "--pipeline", p.name,
            "--count", str(opts.count), "--rate", f"{opts.rate:g}", "--start", str(first),
            "--seed", str(PRODUCER_SEED), "--event-time-from", "now", "--data-dir", str(data_dir), "--json"]
-    env = driver_env(settings, data_dir, base={**os.environ, MARKER_ENV: marker})
+    # as the producer role (publish to the pipeline's sources only), never the admin
+    env = driver_env(role_settings(settings, data_dir, PRODUCER), data_dir, base={**os.environ, MARKER_ENV: marker})
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=repo_root(), stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

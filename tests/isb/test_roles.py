@@ -287,3 +287,32 @@ def test_a_pipelines_user_cannot_deliver_into_another_pipeline(granted):
             await nc.close()
 
     run(check())
+
+
+def test_the_platforms_producer_publishes_as_the_producer_role_not_the_admin(granted, tmp_path):
+    """``make run``'s producer (isbflow.platform.pipeline.start_producer) logs in as ``producer``:
+    it publishes the demo's events, and holds no admin password."""
+    import time
+
+    from isbflow.local.procs import process_alive
+    from isbflow.platform.pipeline import start_producer
+    from isbflow.platform.state import PipelineOptions
+    from isbflow.steps.launch import stop_process
+
+    server, specs = granted
+    p = specs.pipelines["logs"]
+    spec = tmp_path / "two.yaml"
+    proc = start_producer(server.data_dir, PipelineOptions(spec=str(spec), rate=500, count=50), p,
+                          server.settings, "marker", 0)
+    try:
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"NATS_USER=" + roles.PRODUCER.encode() in environ
+        admin = (Path(server.data_dir) / "nats" / "password").read_text().strip().encode()
+        assert not any(admin in e for e in environ)
+        deadline = time.monotonic() + WAIT
+        while process_alive(proc.pid, proc.proc_start) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = Path(proc.log).read_text()
+        assert json.loads(log[log.index("{"):])["published"] == 50, log[-2000:]
+    finally:
+        stop_process(proc.pid, proc.proc_start, grace=2)
