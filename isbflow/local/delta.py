@@ -279,7 +279,8 @@ class TableCache:
                   for path, size in removes]
         lines.append({"txn": {"appId": app_id, "version": txn_version}})
         try:
-            text = "".join(json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n" for line in lines)
+            text = "".join(json.dumps(line, separators=(",", ":"), allow_nan=False, ensure_ascii=False) + "\n"
+                           for line in lines)
         except ValueError as e:
             raise ValueError(f"{self.path}: a commit's metadata holds a number JSON cannot carry "
                              f"(NaN or Infinity): {e}") from None
@@ -291,7 +292,7 @@ class TableCache:
         if version > 0 and not log_reaches(root, version - 1):
             return None
         aside = root / f".{commit_file(version)}.{uuid.uuid4().hex}.tmp"
-        aside.write_text(text)
+        aside.write_text(text, encoding="utf-8")
         try:
             os.link(aside, root / commit_file(version))  # fails when the version exists: never overwrites
         except (FileExistsError, FileNotFoundError):

@@ -136,7 +136,10 @@ def file_stats(metadata: pq.FileMetaData, schema: pa.Schema, nans: Collection[st
     ``nullCount``. ``schema`` is the rows' Arrow schema and ``nans`` the float columns that hold
     a ``NaN`` (:func:`nan_columns`)."""
     try:
-        return json.dumps({"numRecords": metadata.num_rows, **_column_stats(metadata, schema, nans)})
+        # raw UTF-8, as delta-rs writes it: delta-rs misreads some characters outside the BMP
+        # escaped as surrogate pairs (U+20000 as "\\ud840\\udc00" matched no row)
+        return json.dumps({"numRecords": metadata.num_rows, **_column_stats(metadata, schema, nans)},
+                          ensure_ascii=False)
     except _Unbounded:
         return json.dumps({"numRecords": metadata.num_rows})
 

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
+from isbflow.local.delta import TableCache
 from isbflow.sinks.delta import DeltaSinkOptions, commit_batch, sink_app_id, write_batch_files
 from isbflow.sinks.delta_spark import adopt_staged_files
 from isbflow.sinks.delta_stats import file_stats, nan_columns
@@ -88,6 +89,19 @@ def test_a_row_group_without_statistics_leaves_the_file_with_its_row_count_alone
     pq.write_table(pa.table({"i": list(range(10))}), path, row_group_size=5, write_statistics=False)
     stats = json.loads(file_stats(pq.read_metadata(path), pa.schema([("i", pa.int64())]), set()))
     assert stats == {"numRecords": 10}
+
+
+@pytest.mark.parametrize("text", ["\U00020000", "\U0001f600", "\U0010ffff", "é"])
+def test_characters_outside_the_basic_plane_are_found_by_their_stats(tmp_path, text):
+    """delta-rs misread U+20000 written as an escaped surrogate pair: a file's stats are raw UTF-8."""
+    opts = DeltaSinkOptions.from_options({"path": str(tmp_path / "t"), "appId": APP})
+    tables = TableCache(str(tmp_path / "t"))
+    for b in range(2):  # the table's first commit through delta-rs, the next through the sink's own
+        commit_batch(opts, [write_batch_files(opts, pa.table({"s": [text * (b + 1)]}).to_batches(), b, 0)], b,
+                     tables)
+    dt = DeltaTable(str(tmp_path / "t"))
+    assert dt.to_pyarrow_table(filters=[("s", "=", text)]).num_rows == 1
+    assert dt.to_pyarrow_table(filters=[("s", "=", text * 2)]).num_rows == 1
 
 
 def test_nan_columns_finds_float_columns_holding_nan():
