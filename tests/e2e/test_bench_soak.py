@@ -75,3 +75,27 @@ def test_a_part_in_which_no_batch_committed_is_widened_until_one_did():
     # a level metric keeps its plain parts
     lv = soak.ends([{**s, "rss_bytes": 100} for s in series], "rss_bytes", 0, 40, parts=10)
     assert lv["samples"] == [3, 3] and lv["ratio"] == 1.0, lv
+
+
+def test_plot_draws_each_metric_of_a_soak_json_as_an_svg_chart(tmp_path):
+    """bench/plot.py: one chart per metric, counter pairs drawn as rates, a valid SVG."""
+    import xml.etree.ElementTree as ET
+
+    series = [{"t": t, "cpu_s": 0.1 * t, "batches_total": t // 2, "batch_sum_s": 0.05 * t, "batch_count": t // 2,
+               "rss_bytes": 2**30 + t, "ledger_bytes": 100} for t in range(0, 600, 10)]
+    src = tmp_path / "soak.json"
+    src.write_text(json.dumps({"series": series, "run": {"steady_from_s": 50, "steady_seconds": 500}}))
+    out = tmp_path / "soak.svg"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(src), "--out", str(out),
+                           "--metric", "cpu_per_batch_s", "--metric", "rss_bytes", "--metric", "ledger_bytes"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    svg = ET.fromstring(out.read_text())
+    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 3
+    cpu = [tuple(map(float, p.split(","))) for p in lines[0].get("points").split()]
+    assert len({round(y, 3) for _, y in cpu}) == 1  # 0.2 CPU-s a batch throughout: a flat line
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"series": []}))
+    assert subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(empty), "--out", str(out)],
+                          capture_output=True, timeout=60).returncode == 2
