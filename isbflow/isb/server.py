@@ -36,21 +36,15 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from isbflow.isb import owners, readiness, roles
+from isbflow.isb import encryption, owners, readiness, roles
+from isbflow.isb.server_config import AUTH_FILE, HOST, node_config
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
 from isbflow.spec.paths import DataDir, private_dir
 
-HOST = "127.0.0.1"
 STATE_FILE = "state.json"
-#: the ``authorization`` block the node configs include (users and their permissions)
-AUTH_FILE = "auth.conf"
 #: the pipelines granted a user so far (:func:`grant_pipelines`)
 GRANTS_FILE = "grants.json"
-#: a node's log is rotated at this size (nats-server's ``logfile_size_limit``) ...
-LOG_SIZE_LIMIT = "10MB"
-#: ... and this many files are kept, the current one included (``logfile_max_num``)
-LOGS_KEPT = 5
 
 
 class EmbeddedNatsError(Exception):
@@ -77,6 +71,10 @@ class ServerState:
     ca_file: str | None = None
     started_at: float = field(default_factory=time.time)
     tls: bool = False
+    #: the JetStream store's cipher (:mod:`isbflow.isb.encryption`), ``none`` when not encrypted
+    cipher: str = encryption.PLAIN
+    #: the arguments of :func:`start_embedded` (no secrets), for :func:`restart_embedded`
+    start_args: dict = field(default_factory=dict)
 
     @property
     def password(self) -> str | None:
@@ -154,34 +152,6 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.chmod(path, 0o600)
-
-
-def _conf(node: str, client: int, http: int, cluster: int | None, routes: list[int], store: Path,
-          user: str | None, route_password: str | None, max_payload: int,
-          max_mem: int, max_file: int, tls: dict | None, log: Path | None = None) -> str:
-    lines = [
-        f"server_name: {node}",
-        *([f'logfile: "{log}"', f"logfile_size_limit: {LOG_SIZE_LIMIT}", f"logfile_max_num: {LOGS_KEPT}"]
-          if log is not None else []),
-        f"listen: {HOST}:{client}",
-        f"http: {HOST}:{http}",
-        f"max_payload: {max_payload}",
-        "max_pending: 256MB",
-        f'jetstream {{ store_dir: "{store}", max_memory_store: {max_mem}, max_file_store: {max_file} }}',
-    ]
-    if user:  # the users, rewritten by grant_pipelines and reloaded without a restart
-        lines.append(f'include "{AUTH_FILE}"')
-    if tls:
-        lines.append(
-            f'tls {{ cert_file: "{tls["cert"]}", key_file: "{tls["key"]}", ca_file: "{tls["ca"]}", timeout: 5 }}'
-        )
-    if cluster is not None:
-        # Routes have their own secret: a client's credentials do not let anyone join the cluster.
-        cred = f"route:{route_password}@" if user else ""
-        rts = ", ".join(f'"nats-route://{cred}{HOST}:{p}"' for p in routes)
-        auth = f'authorization {{ user: "route", password: "{route_password}", timeout: 5 }}' if user else ""
-        lines.append(f"cluster {{\n  name: isbflow\n  listen: {HOST}:{cluster}\n  routes: [{rts}]\n  {auth}\n}}")
-    return "\n".join(lines) + "\n"
 
 
 def nats_dir(data_dir: Path) -> Path:
@@ -274,24 +244,33 @@ def start_embedded(
     client_port: int | None = None,
     tls: dict | None = None,
     timeout: float = 30.0,
+    cipher: str | None = None,
 ) -> ServerState:
     """Start ``cluster`` nats-server processes (1 or 3..7) with JetStream; return their state.
 
     Reuses a running server recorded under ``data_dir`` (same node count), else
     starts fresh ones on the data kept there, on the same ports as last time
     when they are free (so URLs survive a restart). ``tls`` is ``{"cert", "key", "ca"}``
-    file paths: the client listener then requires TLS and the URLs are ``tls://``.
+    file paths: the client listener then requires TLS and the URLs are ``tls://``. ``cipher``
+    (``chachapoly``, ``aes`` or ``none``; default: as the store was last started) encrypts the
+    JetStream store at rest; starting over streams written in the other mode, or with another key,
+    is refused (:mod:`isbflow.isb.encryption`).
     Raises :class:`EmbeddedNatsError` saying what failed and where the logs are.
     """
     check_cluster_size(cluster)
     data_dir = Path(data_dir).absolute()
     ndir = nats_dir(data_dir)
+    args = {"cluster": cluster, "auth": auth, "max_payload": max_payload, "max_memory_store": max_memory_store,
+            "max_file_store": max_file_store, "client_port": client_port, "tls": tls}
+    cipher = cipher or encryption.recorded_cipher(ndir)
+    if cipher not in (encryption.PLAIN, *encryption.CIPHERS):
+        raise EmbeddedNatsError(f"cipher {cipher!r}: use {', '.join(encryption.CIPHERS)} or {encryption.PLAIN}")
     existing = read_state(data_dir)
     if existing is not None and all(existing.alive()):
-        if len(existing.nodes) != cluster:
+        if len(existing.nodes) != cluster or existing.cipher != cipher:
             raise EmbeddedNatsError(
-                f"an embedded server with {len(existing.nodes)} node(s) already runs under {data_dir}/: "
-                "stop it with 'isbflow nats down' first"
+                f"an embedded server with {len(existing.nodes)} node(s), cipher {existing.cipher}, already runs "
+                f"under {data_dir}/: stop it with 'isbflow nats down' first"
             )
         return existing
     if existing is not None:
@@ -301,6 +280,7 @@ def start_embedded(
         if missing:
             raise EmbeddedNatsError(f"TLS needs existing cert, key and ca files; missing: {', '.join(missing)}")
         tls = {k: str(Path(tls[k]).absolute()) for k in ("cert", "key", "ca")}
+        args["tls"] = tls
     DataDir(data_dir).make(ndir)
     os.chmod(ndir, 0o700)
     user = route_password = password_file = None
@@ -309,6 +289,12 @@ def start_embedded(
         password_file = str(role_password_file(data_dir, user))
         _write_auth(ndir, read_grants(data_dir))
         route_password = _secret(ndir / "route-password") if cluster > 1 else None
+    stores = [ndir / f"n{i + 1}" / "jetstream" for i in range(cluster)]
+    try:
+        encryption.check_store(ndir, stores, cipher)
+    except encryption.EncryptionRefused as e:
+        raise EmbeddedNatsError(str(e)) from None
+    env = {**os.environ, **encryption.environment(ndir, cipher)}
     binary = nats_server_binary()
 
     def launch(ports: list[tuple[int, int, int | None]]) -> ServerState:
@@ -316,24 +302,25 @@ def start_embedded(
         procs: list[subprocess.Popen] = []
         for i, (cp, hp, rp) in enumerate(ports):
             name = f"n{i + 1}"
-            store = ndir / name / "jetstream"
+            store = stores[i]
             private_dir(store)
             routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
             conf = ndir / f"{name}.conf"
             log = ndir / f"{name}.log"
-            _write_private(conf, _conf(name, cp, hp, rp, routes, store, user, route_password,
-                                       max_payload, max_memory_store, max_file_store, tls, log))
+            _write_private(conf, node_config(name, cp, hp, rp, routes, store, user, route_password,
+                                             max_payload, max_memory_store, max_file_store, tls, log, cipher))
+            logged[name] = encryption.log_size(log)
             fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "ab") as logf:
                 proc = subprocess.Popen(
                     [binary, "-c", str(conf)],
                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, umask=0o077,  # its logs, rotated ones too, owner-only
+                    start_new_session=True, umask=0o077, env=env,  # its logs, rotated ones too, owner-only
                 )
             procs.append(proc)
             nodes.append(NodeState(name, proc.pid, cp, hp, rp, str(conf), str(log)))
         state = ServerState(str(data_dir), nodes, user, password_file, tls["ca"] if tls else None,
-                            tls=tls is not None)
+                            tls=tls is not None, cipher=cipher, start_args=args)
         # Recorded before waiting: if this process dies now, 'isbflow nats down' still finds them.
         state_file = ndir / STATE_FILE
         _write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
@@ -349,6 +336,10 @@ def start_embedded(
                     error = PortTaken if "address already in use" in last else EmbeddedNatsError
                     raise error(f"nats-server {n.name} exited with {p.returncode}; log {n.log}:\n{last}")
             pending = [n for n in pending if not readiness.healthy(HOST, n.http_port)]
+            if errors := [e for n in nodes for e in encryption.decrypt_errors(Path(n.log), logged[n.name])]:
+                _kill_nodes(nodes)  # up without the streams it cannot read: stopped before anyone writes
+                state_file.unlink(missing_ok=True)
+                raise EmbeddedNatsError(encryption.wrong_key_message(ndir, errors))
             if pending and time.monotonic() > deadline:
                 _kill_nodes(nodes)
                 state_file.unlink(missing_ok=True)
@@ -367,8 +358,10 @@ def start_embedded(
                     f"URL known to all and the JetStream API answering on each, after {timeout:.0f}s "
                     f"(logs under {ndir})")
             time.sleep(0.1)
+        encryption.record_cipher(ndir, cipher)
         return state
 
+    logged: dict[str, int] = {}
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:
             return launch(_ports(ndir, cluster, client_port))

@@ -286,10 +286,10 @@ def test_cluster_of_two_is_refused(tmp_path):
 def test_the_server_log_rotates_and_keeps_a_bounded_number_of_files(tmp_path, monkeypatch):
     """A small rotation size (the default is 10MB): after several starts on the same data dir the
     node's log has rotated, at most LOGS_KEPT files remain, and all are owner-only."""
-    from isbflow.isb import server
+    from isbflow.isb import server, server_config
 
-    monkeypatch.setattr(server, "LOG_SIZE_LIMIT", "1KB")
-    monkeypatch.setattr(server, "LOGS_KEPT", 2)
+    monkeypatch.setattr(server_config, "LOG_SIZE_LIMIT", "1KB")
+    monkeypatch.setattr(server_config, "LOGS_KEPT", 2)
     data_dir = tmp_path / "d"
     try:
         for _ in range(4):  # each start logs ~1KB of banner
