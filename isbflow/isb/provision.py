@@ -70,14 +70,11 @@ what to do (a change the server refuses midway cannot be rolled back).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from nats.errors import Error as NatsError
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig, StreamInfo
@@ -117,8 +114,18 @@ from isbflow.isb.provision_resources import (
     select_pipeline,
     spec_hash,
 )
+from isbflow.isb.provision_server import (
+    cipher_drift,
+    drop,
+    embedded_limits,
+    embedded_state,
+    recreated_message,
+    restart,
+    servers_reporting,
+    store_drift,
+    toggle_refusal,
+)
 from isbflow.isb.release import interest_hold_consumer
-from isbflow.isb.server import HOST, EmbeddedNatsError, read_state
 from isbflow.spec import derived
 from isbflow.spec.load import Specs
 from isbflow.spec.models import Pipeline
@@ -191,69 +198,6 @@ def _replicas_hint(replicas: int) -> str:
             "or lower bufferConfig.stream.replicas")
 
 
-def server_count(nc: nats.aio.client.Client) -> int | None:
-    """JetStream servers of the service, from the connected server's INFO (the client URLs of
-    its cluster, gossiped); 1 for a server outside a cluster; None when a cluster does not say."""
-    info = getattr(nc, "_server_info", None) or {}
-    urls = info.get("connect_urls") or []
-    if urls:
-        return len(set(urls))
-    return None if info.get("cluster") else 1
-
-
-STORE_LIMITS = ("max_memory_store", "max_file_store")
-#: how long apply waits for a just-started cluster to report all its servers
-SERVERS_WAIT_S = 10.0
-
-
-def embedded_limits(settings: NatsSettings, data_dir: Path | str | None) -> dict[str, int] | None:
-    """``max_memory_store``/``max_file_store`` of the embedded nats-server recorded under
-    ``data_dir`` (its monitoring endpoint), when ``settings`` point at it; None otherwise
-    (no data dir, no such server, an external server)."""
-    if data_dir is None:
-        return None
-    try:
-        state = read_state(data_dir)
-    except EmbeddedNatsError:
-        return None
-    if state is None or not state.nodes or not all(state.alive()):
-        return None
-    ports = {urlsplit(u if "://" in u else f"nats://{u}").port for u in settings.servers}
-    if not ports or not ports <= {n.client_port for n in state.nodes}:
-        return None
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{state.nodes[0].http_port}/jsz", timeout=5) as r:
-            config = json.load(r).get("config") or {}
-    except (OSError, ValueError):
-        return None
-    return {"max_memory_store": config.get("max_memory"), "max_file_store": config.get("max_storage")}
-
-
-def store_drift(specs: Specs, pipeline: str, limits: dict[str, int] | None) -> list[tuple[str, int, int]]:
-    """(field, spec, server) for each store limit the spec sets that the embedded server does not run with."""
-    settings = specs.service_for(specs.select(pipeline)).spec.jetstream.settings
-    out = []
-    for f in STORE_LIMITS:
-        want, have = getattr(settings, f), (limits or {}).get(f)
-        if f in settings.model_fields_set and want > 0 and have is not None and have != want:
-            out.append((f, want, have))
-    return out
-
-
-async def _servers(nc: nats.aio.client.Client, wanted: int, wait: float = SERVERS_WAIT_S) -> int | None:
-    """:func:`server_count`, waiting up to ``wait`` seconds for it to reach ``wanted``: a cluster
-    that just started gossips its members' URLs while its routes form (the client learns them
-    from the server's INFO updates)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    while True:
-        count = server_count(nc)
-        clustered = bool((getattr(nc, "_server_info", None) or {}).get("cluster"))
-        if count is None or count >= wanted or not clustered or loop.time() >= deadline:
-            return count
-        await asyncio.sleep(0.2)
-
-
 async def _check_service(nc: nats.aio.client.Client, specs: Specs, pipeline: str, resources: list[Resource],
                          settings: NatsSettings, limits: dict[str, int] | None = None) -> None:
     """Before anything is applied: the service has the servers and the store limits the spec asks for."""
@@ -264,7 +208,7 @@ async def _check_service(nc: nats.aio.client.Client, specs: Specs, pipeline: str
             f"from the spec ('isbflow platform up --pipeline-file SPEC'), or set settings.{f} to {have}")
     jet = specs.service_for(specs.select(pipeline)).spec.jetstream
     want = max((r.fields.get("num_replicas", 1) for r in resources), default=1)
-    servers = await _servers(nc, max(want, jet.replicas or 1))
+    servers = await servers_reporting(nc, max(want, jet.replicas or 1))
     if servers is None:
         return
     where = f"the ISB service at {settings.display} has {servers} JetStream server(s)"
@@ -401,7 +345,8 @@ async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = Non
     p = select_pipeline(specs, pipeline)
     resources = desired_resources(specs, p.name)
     report = ProvisionReport(p.name)
-    limits = embedded_limits(settings, data_dir)
+    limits, state = embedded_limits(settings, data_dir), embedded_state(settings, data_dir)
+    toggle = cipher_drift(specs, p.name, state)
     async with _jetstream(settings) as (nc, js):
         try:
             await _check_service(nc, specs, p.name, resources, settings, limits)
@@ -417,7 +362,11 @@ async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = Non
         plans = await _plan(js, resources)
         for rp in plans:
             rp.decide(recreate, force)
-        if any(rp.refusal for rp in plans):
+        if toggle and state:  # jetstream.encryption changed: drained buffers recreated on a restarted server
+            if why := await toggle_refusal(nc, plans, toggle, state, force, settings.display):
+                raise ProvisionRefused(why, report)
+            await drop(js, plans)
+        elif any(rp.refusal for rp in plans):
             for rp in plans:
                 if rp.refusal:
                     report.resources.append(rp.result(Action.REFUSED, message=rp.refusal))
@@ -425,12 +374,19 @@ async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = Non
                     skipped = Action.UNCHANGED if rp.action == Action.UNCHANGED else Action.SKIPPED
                     report.resources.append(rp.result(skipped))
             raise ProvisionRefused(refusal_message(plans), report)
-        for rp in plans:
-            try:
-                report.resources.append(await _execute(js, rp, settings))
-            except ProvisionError as e:
-                e.report = report
-                raise
+        else:
+            for rp in plans:
+                try:
+                    report.resources.append(await _execute(js, rp, settings))
+                except ProvisionError as e:
+                    e.report = report
+                    raise
+    if toggle and state:
+        restart(state, toggle[0])
+        report = await apply(settings, specs, pipeline, recreate=recreate, force=force, data_dir=data_dir)
+        for r, rp in zip(report.resources, plans, strict=True):
+            if rp.exists and rp.resource.managed:
+                r.action, r.message = Action.RECREATED, recreated_message(toggle)
     return report
 
 
@@ -446,6 +402,9 @@ async def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None
         Drift("nats-server", "server", f"settings.{f}", want, have, ChangeClass.RECREATE,
               reason="applies when isbflow starts the embedded server: restart it from the spec")
         for f, want, have in store_drift(specs, name, embedded_limits(settings, data_dir))]
+    if drift := cipher_drift(specs, name, embedded_state(settings, data_dir)):
+        out.append(Drift("nats-server", "server", "jetstream.encryption", drift[0], drift[1], ChangeClass.RECREATE,
+                         reason="recreates every buffer, drained: 'isbflow isb apply --force'"))
     for rp in await plan(settings, specs, pipeline):
         r = rp.resource
         if not rp.exists:

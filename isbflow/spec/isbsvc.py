@@ -180,6 +180,13 @@ class JetStreamService(SpecModel):
     """TLS to the service. Default: none (plain TCP)."""
     auth: AuthConfig | None = None
     """Where the credentials are (never in the spec). Default: the embedded server's own."""
+    encryption: bool = False
+    """Encrypt the embedded server's JetStream store at rest (key generated into
+    ``<data dir>/nats/jetstream.key``, owner-only). Only with ``url: embedded``: nats-server reports
+    encryption to no client, so an external server's cannot be checked. Default false."""
+    cipher: Literal["chachapoly", "aes"] = "chachapoly"
+    """isbflow only: the cipher of ``encryption`` (nats-server's ``jetstream { cipher }``),
+    ``chachapoly`` or ``aes``. Default ``chachapoly``."""
 
     @field_validator("settings")
     @classmethod
@@ -191,6 +198,18 @@ class JetStreamService(SpecModel):
                              f"at jetstream.url sets them in its own config (jetstream {{ {fixed[0]}: ... }}): "
                              "remove them here")
         return v
+
+    @model_validator(mode="after")
+    def _encryption(self) -> JetStreamService:
+        if "cipher" in self.model_fields_set and not self.encryption:
+            raise ValueError("cipher is set but encryption is false: set encryption: true, or remove cipher")
+        if self.encryption and self.url != "embedded":
+            raise ValueError(
+                f"encryption: true with jetstream.url {self.url}: encryption at rest is that server's own "
+                "setting (jetstream { cipher: ..., key: ... } in its config), and nats-server reports it to no "
+                "client (not in INFO, $JS.API.INFO, stream info, /varz or /jsz), so isbflow cannot check it: "
+                "configure it on that server and remove encryption here")
+        return self
 
     @model_validator(mode="after")
     def _stream_replicas(self) -> JetStreamService:

