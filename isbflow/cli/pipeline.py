@@ -63,7 +63,7 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, 
     try:
         out = call(ops.run_here, specs, p, settings, data_dir_or_default(data_dir), master=master,
                    available_now=available_now, steps=steps, metrics_port=metrics_port,
-                   processing_time=processing_time,
+                   processing_time=processing_time, confined=True,
                    on_step=None if json_out else lambda v, s: console.print(
                        f"step {v}: {s.state}, committed {s.committed}, dead-lettered {s.dlq_total}"
                        + (f", unrouted {s.unrouted_total}" if s.unrouted_total else "")

@@ -43,13 +43,14 @@ from isbflow.isb.connect import IsbUnreachable, NatsSettings, session
 from isbflow.isb.read import StreamState, stream_state
 from isbflow.isb.roles import pipeline_user
 from isbflow.isb.state import Desired, StepStatus, all_status, get_desired
+from isbflow.local.sandbox import SandboxError
 from isbflow.ops.isb import grant, role_settings
 from isbflow.ops.produce import source_vertex
 from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.steps.drain import DrainTimeout, drain_pipeline, resume_pipeline
-from isbflow.steps.driver import cap_own_log, check_processing_time
+from isbflow.steps.driver import cap_own_log, check_processing_time, confine
 from isbflow.steps.launch import (
     LaunchError,
     LaunchRecord,
@@ -262,19 +263,36 @@ def run_here(specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, 
              available_now: bool = False, steps: list[str] | None = None, metrics_port: int = 0,
              on_step: Callable[[str, StepStatus], None] | None = None,
              on_metrics: Callable[[str], None] | None = None,
-             processing_time: str | None = None) -> dict[str, StepStatus]:
+             processing_time: str | None = None, confined: bool = False) -> dict[str, StepStatus]:
     """Run ``steps`` (default all) of ``p`` in this process: continuously until drained or
     interrupted, or available-now. ``processing_time`` overrides every step's trigger interval
-    (default the runner's). Raises :class:`PipelineError` when a step fails."""
+    (default the runner's). Raises :class:`PipelineError` when a step fails.
+
+    ``confined`` (a driver process of its own: ``isbflow pipeline run``): the steps log in as the
+    pipeline's user when ``settings`` are the admin's on the embedded server under ``data_dir``,
+    and the process, before Spark starts, holds no other ISB secret and cannot reach the embedded
+    server's folder (:func:`isbflow.steps.driver.confine`; ``ISBFLOW_SANDBOX=off`` turns that off).
+    It cannot be undone."""
     # lazy: steps.runner loads pyspark, deltalake and psycopg (~0.5 CPU-s), steps.metrics prometheus_client;
     # every `isbflow` command imports this module, only a foreground run needs them
     from isbflow.steps.metrics import serve
     from isbflow.steps.runner import PipelineRunner, StepError, latency_budget_s, spark_session
     from isbflow.steps.session import driver_conf
 
+    hidden = None
+    if confined:  # user transforms get the pipeline's own credentials only (isbflow.steps.driver)
+        settings = role_settings(settings, data_dir, pipeline_user(p.name))
+        try:
+            hidden = confine(p, data_dir, settings)
+        except SandboxError as e:
+            raise PipelineError(f"pipeline {p.name}: {e}") from None
     cap_own_log()  # a launched driver bounds its own log (isbflow.steps.driver)
     budget = None if available_now else latency_budget_s(p, processing_time)
-    spark = spark_session(master, app_name=f"isbflow-{p.name}", conf=driver_conf(budget))
+    conf = driver_conf(budget)
+    if hidden is not None and hidden.temp is not None:  # the JVM's temporary files where it can read them
+        java = conf.get("spark.driver.extraJavaOptions", "")
+        conf["spark.driver.extraJavaOptions"] = f"{java} -Djava.io.tmpdir={hidden.temp}".strip()
+    spark = spark_session(master, app_name=f"isbflow-{p.name}", conf=conf)
     spark.sparkContext.setLogLevel("WARN")
     runner = PipelineRunner(spark, specs, p, settings, data_dir,
                             processing_time=processing_time)

@@ -11,6 +11,14 @@ command line).
 it passes in ``ISBFLOW_DRIVER_LOG``; the driver runs :func:`cap_own_log`, a thread that rotates
 that file past :data:`isbflow.local.files.LOG_MAX_BYTES` (16 MiB) every few seconds, keeping one
 older part (``<log>.1``): a driver's log is at most ~32 MiB however long it runs.
+
+**What user code can reach.** A driver runs its pipeline's transforms, in its own Python and in
+the Python workers its JVM starts. Before it starts them, :func:`confine` takes the ISB secrets
+out of its environment (its connections carry them in memory) and hides the embedded ISB
+service's folder ``<data dir>/nats/`` (the admin's and every role's password, the users block, the
+JetStream store) from the driver and everything it starts (:func:`isbflow.local.sandbox.hide`,
+Landlock; ``ISBFLOW_SANDBOX=off`` turns it off): a transform holds only its own pipeline's
+credentials, and cannot read or change the others'.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from pathlib import Path
 
 from isbflow.isb.connect import NatsSettings
 from isbflow.local.files import LOG_MAX_BYTES, rotate_log
+from isbflow.local.sandbox import Hidden, forget_env, hide
 from isbflow.sinks.postgres import PostgresSinkError, check_connection_type, connection_env
 from isbflow.spec.models import Pipeline
+from isbflow.spec.paths import DataDir
 
 #: the environment variable naming a launched driver's own log file (module docstring)
 LOG_ENV = "ISBFLOW_DRIVER_LOG"
@@ -177,3 +187,41 @@ def cap_own_log(max_bytes: int = LOG_MAX_BYTES, interval: float = LOG_CHECK_S) -
     t = threading.Thread(target=run, name="isbflow-log-cap", daemon=True)
     t.start()
     return t
+
+
+#: the environment variables holding ISB secrets, which :func:`confine` takes out of a driver's environment
+SECRET_ENV = ("NATS_PASSWORD", "NATS_TOKEN")
+
+
+def driver_folders(p: Pipeline, data_dir: str | Path) -> list[Path]:
+    """The folders pipeline ``p``'s driver writes under (made, where needed, before :func:`confine`):
+    its checkpoints, stats, run flags, metrics records and logs, and its Delta sinks and fallbacks
+    (relative paths live under the data dir)."""
+    # lazy: steps.metrics loads prometheus_client, which only a driver needs
+    from isbflow.steps.metrics import record_path
+
+    dd = DataDir(Path(data_dir).absolute())
+    out = [dd.checkpoints(p.name), dd.stats_of(p.name), dd.no_wait(p.name, "_").parent,
+           record_path(dd.root, "_").parent, dd.logs]
+    for v in p.spec.vertices:
+        for delta in (v.sink.delta, v.sink.fallback.delta if v.sink.fallback else None) if v.sink else ():
+            if delta is not None:
+                out.append(Path(delta.path) if Path(delta.path).is_absolute() else dd.root / delta.path)
+    return out
+
+
+def confine(p: Pipeline, data_dir: str | Path, settings: NatsSettings) -> Hidden | None:
+    """In pipeline ``p``'s driver, before it starts Spark (module docstring): the ISB secrets out of
+    its environment (:data:`SECRET_ENV`), and ``<data dir>/nats/`` hidden from it and from every
+    process it starts, but for the files its own ``settings`` name there (a TLS CA, say) and its own
+    user's password file. Returns what :func:`isbflow.local.sandbox.hide` did (None: nothing hidden:
+    no embedded server under ``data_dir``, ``ISBFLOW_SANDBOX=off``, or a kernel without Landlock).
+    Irreversible: for a driver process of its own (``isbflow pipeline run``)."""
+    from isbflow.isb.roles import pipeline_user
+    from isbflow.isb.server import role_password_file
+
+    forget_env(SECRET_ENV)
+    s = settings.with_auth_from_urls()
+    own = [f for f in (s.tls_ca, s.tls_cert, s.tls_key, s.creds_file) if f]
+    own.append(role_password_file(data_dir, pipeline_user(p.name)))
+    return hide(DataDir(Path(data_dir).absolute()).nats, keep=driver_folders(p, data_dir), readable=own)
