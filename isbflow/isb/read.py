@@ -16,13 +16,11 @@ answers with up to ``n`` messages and about ``b`` bytes (whole messages: at leas
 a batch may pass ``b`` by one message; headers ``Nats-Sequence``,
 ``Nats-Time-Stamp``; deleted sequences are skipped, not reported) and ends the
 batch with a status ``204 EOB`` message (``404`` when nothing is at or after
-``s``). Requests for consecutive chunks are pipelined (``inflight`` at once)
-on one wildcard inbox subscription whose callback is a plain ``nc.subscribe``
-callback (nats-py's ``fetch``/``next_msg`` costs a task per message). A chunk
-cut short by ``max_bytes`` is re-requested from where it stopped.
+``s``). Requests for consecutive chunks are pipelined (``inflight`` at once) on one wildcard
+inbox subscription whose callback is a plain ``nc.subscribe`` callback (nats-py's
+``fetch``/``next_msg`` costs a task per message). A chunk cut by ``max_bytes`` is asked again.
 
-Bounds (issue 19: 1 MiB events once made a worker hold tens of GiB). One read holds at
-most :func:`read_bound` payload bytes, ``inflight * (chunk_bytes + max_payload)``
+Bounds (1 MiB events could make a worker hold tens of GiB). One read holds at most :func:`read_bound` payload bytes, ``inflight * (chunk_bytes + max_payload)``
 (defaults: 2 x (16 MiB + 8 MiB) = 48 MiB), whatever the message size: every
 request carries ``max_bytes`` (``chunk_bytes``); at most ``inflight`` chunks are open
 (the current one and ``inflight - 1`` ahead); a chunk cut by ``max_bytes`` hands out
@@ -42,10 +40,10 @@ subject) 271K msg/s on the quiet one (121-129K while its deliveries went through
 nats-py's ``Msg`` objects and subscription task; see :mod:`isbflow.isb.raw`). The gap is
 nats-py building a header dict for every direct-get reply. For frames (10,000 rows each)
 the path does not matter: 1M rows read and decoded at 5-7M rows/s by direct get. So frames use direct
-get, and events use the consumer unless the stream is a ``WorkQueue`` (a
-consumer there is refused or, AckNone, removes what it delivers). Direct get
-works under every retention policy, creates no server state and deletes
-nothing; it needs ``allow_direct`` on the stream (provisioning sets it).
+get, and events use the consumer unless the stream is a ``WorkQueue`` (a consumer there is refused
+or, AckNone, removes what it delivers) or the login is a role user (pipeline users may create no
+consumer: :mod:`isbflow.isb.roles`). Direct get works under every retention policy, creates no
+server state and deletes nothing; it needs ``allow_direct`` on the stream (provisioning sets it).
 """
 
 from __future__ import annotations
