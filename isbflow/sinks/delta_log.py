@@ -167,14 +167,14 @@ def replay_claims(root: Path, history: list[dict[str, Any]], version: int | None
     return out
 
 
-def _log_actions(path: Path, version: int) -> tuple[list[str], list[str]] | None:
+def log_actions(path: Path, version: int) -> tuple[list[str], list[str]] | None:
     """(files added, files removed) by commit ``version`` from its JSON log entry; None when gone."""
     entry = path / "_delta_log" / f"{version:020d}.json"
     if not entry.is_file():
         return None
     added, removed = [], []
-    for line in entry.read_text().splitlines():
-        try:
+    for line in entry.read_text(encoding="utf-8").split("\n"):  # JSON lines: not str.splitlines, which
+        try:                                                        # also cuts at U+2028 inside a string
             action = json.loads(line)
         except ValueError:
             continue
@@ -198,7 +198,7 @@ def _file_ids(path: Path, files: list[str]):
 
 def _touched(path: Path, version: int) -> tuple[PartitionRanges, PartitionRanges, PartitionRanges] | None:
     """(offsets added, removed, rewritten) by commit ``version``; None when its log entry or files are gone."""
-    actions = _log_actions(path, version)
+    actions = log_actions(path, version)
     if actions is None:
         return None
     added_ids, removed_ids = _file_ids(path, actions[0]), _file_ids(path, actions[1])

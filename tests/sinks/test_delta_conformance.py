@@ -48,7 +48,7 @@ _T0 = datetime(2020, 1, 1, tzinfo=UTC)
 _FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64),
                     st.sampled_from([0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan")]))
 _TEXT = st.one_of(st.text(max_size=4), st.text(min_size=30, max_size=80),
-                  st.sampled_from(["", "a", "z" * 40, "é" * 33, "\U0010ffff" * 33]))
+                  st.sampled_from(["", "a", "z" * 40, "é" * 33, "\U0010ffff" * 33, "a\u2028b", "\x85", "\U00020000"]))
 #: column kind -> (arrow type, value strategy)
 KINDS = {
     "int": (pa.int64(), st.integers(-(2**63), 2**63 - 1)),
@@ -112,8 +112,8 @@ def _active_adds(path) -> list[dict]:
     """The add actions of the table's active files, read from its commit files (no checkpoint here)."""
     active: dict[str, dict] = {}
     for name in sorted(f for f in os.listdir(path / "_delta_log") if f.endswith(".json")):
-        for line in (path / "_delta_log" / name).read_text().splitlines():
-            action = json.loads(line)
+        for line in filter(None, (path / "_delta_log" / name).read_text(encoding="utf-8").split("\n")):
+            action = json.loads(line)  # JSON lines: str.splitlines would also cut at U+2028 in a string
             if "add" in action:
                 active[action["add"]["path"]] = action["add"]
             elif "remove" in action:

@@ -177,3 +177,17 @@ def test_zoned_timestamp_partition_values_are_iso_8601_utc(tmp_path):
                                                                "1970-01-01T00:00:01.500000Z"]
     back = DeltaTable(str(path)).to_pyarrow_table().sort_by("v")
     assert back.column("at").cast(pa.int64()).to_pylist() == [0, 1_500_000]
+
+
+def test_a_commit_whose_stats_hold_a_line_separator_is_read_whole(tmp_path):
+    """Commit files are JSON lines cut at "\\n" only: a string value holding U+2028 or U+0085 (raw
+    UTF-8 in the stats) does not split its action."""
+    from isbflow.sinks.delta_log import log_actions
+
+    path = tmp_path / "t"
+    opts, tables = options(path), TableCache(str(path))
+    for b, text in enumerate(["a\u2028b", "c\x85d"]):
+        commit(opts, pa.table({"k": pa.array([b], pa.int64()), "v": [text]}), b, tables)
+    for v in versions(path):
+        added, removed = log_actions(path, v)
+        assert len(added) == 1 and not removed, (v, added)
