@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from isbflow.isb.connect import NatsSettings
+from isbflow.isb.roles import pipeline_user
+from isbflow.isb.server import role_password_file
 from isbflow.local.files import LOG_MAX_BYTES, rotate_log
 from isbflow.local.sandbox import Hidden, forget_env, hide
 from isbflow.sinks.postgres import PostgresSinkError, check_connection_type, connection_env
@@ -217,9 +219,6 @@ def confine(p: Pipeline, data_dir: str | Path, settings: NatsSettings) -> Hidden
     user's password file. Returns what :func:`isbflow.local.sandbox.hide` did (None: nothing hidden:
     no embedded server under ``data_dir``, ``ISBFLOW_SANDBOX=off``, or a kernel without Landlock).
     Irreversible: for a driver process of its own (``isbflow pipeline run``)."""
-    from isbflow.isb.roles import pipeline_user
-    from isbflow.isb.server import role_password_file
-
     forget_env(SECRET_ENV)
     s = settings.with_auth_from_urls()
     own = [f for f in (s.tls_ca, s.tls_cert, s.tls_key, s.creds_file) if f]
