@@ -233,7 +233,7 @@ def test_reference_load_times_out_naming_the_bucket(nats_server, monkeypatch):
     settings = nats_server.settings
     asyncio.run(R.put(settings, "logs", "services", {"auth": {"team": "identity"}}))
 
-    async def stalled(kv):  # a read that never ends (as the watcher once did after a purge)
+    async def stalled(nc, bucket):  # a read that never ends (as a watcher can after a purge)
         await asyncio.sleep(3600)
 
     monkeypatch.setattr(R, "_entries", stalled)
