@@ -47,6 +47,10 @@ def validate(
     """Check spec files. Exit 0 when valid; else exit 2 with one line per problem:
 
     FILE: path.to.field: what is wrong
+
+    A valid spec may draw warnings on stderr (exit 0 all the same), one line each:
+
+    warning: FILE: path.to.field: what it does not do yet (e.g. a scale no autoscaler acts on)
     """
     # lazy: the spec's models load pydantic and yaml (~0.4 s), which 'isbflow --help' must not pay for
     from isbflow.spec import SpecError, load_specs
@@ -59,9 +63,12 @@ def validate(
             raise typer.Exit(2) from None
         fail(str(e), 2)
     if json_out:
-        print_json({"valid": True, "pipelines": sorted(specs.pipelines), "services": sorted(specs.services)})
-    else:
-        console.print(f"valid: {len(specs.pipelines)} pipeline(s), {len(specs.services)} ISB service(s)")
+        print_json({"valid": True, "pipelines": sorted(specs.pipelines), "services": sorted(specs.services),
+                    "warnings": [w.__dict__ for w in specs.warnings]})
+        return
+    for w in specs.warnings:
+        err_console.print(f"warning: {w}", style="yellow", markup=False, highlight=False)
+    console.print(f"valid: {len(specs.pipelines)} pipeline(s), {len(specs.services)} ISB service(s)")
 
 
 def _register_optional() -> None:

@@ -6,6 +6,8 @@ documents (edges, cycles, roles, duplicate names, ISB service references).
 Every problem becomes a :class:`SpecProblem`, printed as one line
 ``FILE: path.to.field: what is wrong (line N)``; if there is any,
 :class:`SpecError` carries all of them, so a user fixes a file in one pass.
+What is valid but does nothing yet (a ``scale`` no autoscaler acts on) is a
+warning, located the same way, in :attr:`Specs.warnings`.
 
 Paths are relative to the document's ``spec`` (``vertices[2].partitions``);
 other top-level keys keep their name (``metadata.name``, ``kind``). The line
@@ -29,6 +31,7 @@ from isbflow.spec.errors import SpecError, SpecProblem
 from isbflow.spec.graph import check_graph
 from isbflow.spec.messages import Loc, describe, field_path, shown, suggest
 from isbflow.spec.models import InterStepBufferService, Pipeline
+from isbflow.spec.scale import scale_warning
 
 KINDS: dict[str, type[BaseModel]] = {
     "Pipeline": Pipeline,
@@ -50,6 +53,9 @@ class Specs:
     files: dict[str, str] = field(default_factory=dict)  # "Kind/name" -> file
     #: "Kind/name" -> its document's YAML node (for line numbers of rules checked after loading)
     nodes: dict[str, yaml.Node] = field(default_factory=dict, repr=False, compare=False)
+    #: what is valid but does not do what a reader may expect (``isbflow validate`` prints each
+    #: as ``warning: FILE: path: message (line N)``; the specs load all the same)
+    warnings: list[SpecProblem] = field(default_factory=list)
 
     def service_for(self, pipeline: Pipeline) -> InterStepBufferService:
         return self.services[pipeline.spec.interStepBufferServiceName]
@@ -322,6 +328,7 @@ def load_specs(paths: str | Path | Sequence[str | Path]) -> Specs:
                 continue
             if isinstance(obj, Pipeline):
                 problems.extend(_transform_problems(doc, obj))
+                specs.warnings.extend(_scale_warnings(doc, obj))
             specs.files[key] = doc.file
             specs.nodes[key] = doc.node
             if isinstance(obj, Pipeline):
@@ -387,6 +394,16 @@ def _transform_problems(doc: _Document, p: Pipeline) -> list[SpecProblem]:
             problem = transforms.check_transform(v.udf.transform, root, allowed, [r.name for r in v.udf.references])
             if problem:
                 out.append(doc.problem(("spec", "vertices", i, "udf", "transform"), problem))
+    return out
+
+
+def _scale_warnings(doc: _Document, p: Pipeline) -> list[SpecProblem]:
+    """A warning for each vertex whose ``scale`` no autoscaler acts on (:func:`scale_warning`)."""
+    out = []
+    for i, v in enumerate(p.spec.vertices):
+        message = scale_warning(v.scale)
+        if message:
+            out.append(doc.problem(("spec", "vertices", i, "scale"), message))
     return out
 
 

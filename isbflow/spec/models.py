@@ -73,6 +73,7 @@ from isbflow.spec.isbsvc import (  # noqa: F401 - re-exported
 )
 from isbflow.spec.names import VERTEX_ROLES
 from isbflow.spec.postgres import PostgresSink  # noqa: F401 - re-exported
+from isbflow.spec.scale import Scale
 from isbflow.spec.sinks import (  # noqa: F401 - re-exported
     SINK_KINDS,
     Backoff,
@@ -289,6 +290,10 @@ class Vertex(SpecModel):
     a source vertex has none of its own."""
     limits: Limits | None = None
     """This vertex's limits, over the pipeline's ``limits``."""
+    scale: Scale | None = None
+    """Numaflow's autoscaling settings: replicas are the vertex's task slots per micro-batch (on a cluster
+    master, the application's executors). Accepted; no autoscaler acts on them yet (``isbflow validate``
+    warns unless ``disabled: true``; ``isbflow pipeline advise`` reports the desired replicas)."""
     onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
     """What writers to this vertex's buffer do when it is full: ``retryUntilSuccess`` (wait: back-pressure)
     or ``discardLatest`` (drop and count). Default ``retryUntilSuccess``."""

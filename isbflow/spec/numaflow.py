@@ -89,8 +89,12 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Limits", "rateLimit"): "isbflow does not rate-limit steps: readBatchSize caps each micro-batch",
     ("Limits", "concurrency"): ("a step's parallelism is its input partitions (one Spark read task each) and "
                                 "the Spark cluster's cores"),
-    ("Vertex", "scale"): ("isbflow does not autoscale steps: parallelism is the vertex's partitions and the "
-                          "Spark cluster's cores; scale the cluster instead"),
+    ("Scale", "replicasPerScale"): ("deprecated in Numaflow: write replicasPerScaleUp and replicasPerScaleDown "
+                                    "(the most replicas one change adds or removes)"),
+    ("Scale", "cooldownSeconds"): ("deprecated in Numaflow: write scaleUpCooldownSeconds and "
+                                   "scaleDownCooldownSeconds"),
+    ("Scale", "targetBufferUsage"): ("deprecated in Numaflow: write targetBufferAvailability (the percent of the "
+                                     "input buffer to keep free)"),
     ("Vertex", "containerTemplate"): _NO_K8S,
     ("Vertex", "initContainerTemplate"): _NO_K8S,
     ("Vertex", "initContainers"): _NO_K8S,

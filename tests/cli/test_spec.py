@@ -31,7 +31,7 @@ def test_init_writes_a_spec_and_a_transform_that_validate(tmp_path):
 
     checked = isbflow("validate", "-f", "pipelines/clicks.yaml", "--json", cwd=tmp_path)
     assert checked.returncode == 0, checked.stderr
-    assert json.loads(checked.stdout) == {"valid": True, "pipelines": ["clicks"], "services": ["default"]}
+    assert json.loads(checked.stdout) == {"valid": True, "pipelines": ["clicks"], "services": ["default"], "warnings": []}
 
     schema = re.match(r"^# yaml-language-server: \$schema=(\S+)$", spec.read_text().splitlines()[0])
     assert schema and (spec.parent / schema.group(1)).resolve() == SCHEMA_FILE.resolve()

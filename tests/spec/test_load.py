@@ -345,7 +345,8 @@ def test_cli_valid_spec():
     assert r.returncode == 0, r.stderr
     assert "valid: 1 pipeline(s), 1 ISB service(s)" in r.stdout
     r = _validate("-f", DEMO, "--json")
-    assert r.returncode == 0 and json.loads(r.stdout) == {"valid": True, "pipelines": ["logs"], "services": ["default"]}
+    assert r.returncode == 0 and json.loads(r.stdout) == {"valid": True, "pipelines": ["logs"], "services": ["default"],
+                                                    "warnings": []}
 
 
 def test_cli_prints_one_line_per_problem(bad_files):

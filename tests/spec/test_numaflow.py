@@ -218,8 +218,10 @@ def test_external_server_settings_are_fine_without_store_limits(tmp_path):
      ["a source vertex owns no buffer", "got 2"]),
     (lambda t: t.replace("      to: out\n", "      to: out\n      onFull: discardLatest\n"), "edges[0].onFull",
      ["vertices[].onFull"]),
-    (lambda t: t.replace("    - name: out\n", "    - name: out\n      scale:\n        min: 1\n"), "vertices[1].scale",
-     ["does not autoscale"]),
+    (lambda t: t.replace("    - name: out\n", "    - name: out\n      scale:\n        replicasPerScale: 1\n"),
+     "vertices[1].scale.replicasPerScale", ["replicasPerScaleUp and replicasPerScaleDown"]),
+    (lambda t: t.replace("    - name: out\n", "    - name: out\n      scale:\n        min: 3\n        max: 2\n"),
+     "vertices[1].scale", ["min (3) must not be above max (2)"]),
     (lambda t: t.replace("spec:\n", "spec:\n  watermark:\n    maxDelay: 5s\n"), "watermark", ["withWatermark"]),
     (lambda t: t.replace("spec:\n", "spec:\n  lifecycle:\n    desiredPhase: Paused\n"), "lifecycle",
      ["isbflow pipeline drain"]),
@@ -357,8 +359,8 @@ def test_a_numaflow_example_pipeline_gets_located_correct_messages(tmp_path):
         """))
     got = problems(f)
     by = {p.path: p for p in got}
-    assert {"vertices[0].source.generator", "vertices[1].scale", "vertices[1].udf.builtin",
-            "vertices[2].sink.log"} <= set(by), got
+    assert {"vertices[0].source.generator", "vertices[1].udf.builtin", "vertices[2].sink.log"} <= set(by), got
+    assert "vertices[1].scale" not in by  # Numaflow's scale is read (validate warns: no autoscaler yet)
     assert all("not supported by isbflow" in p.message or p.message == "required field is missing" for p in got)
     # a sink names its kinds (delta, postgres) in the refusal of log: no second "missing" problem
     assert {p.path for p in got if p.message == "required field is missing"} == {"vertices[1].udf.transform"}
@@ -435,3 +437,28 @@ def test_a_bad_sink_failure_policy_is_located(tmp_path, policy, path, words):
     assert all(w in p.message for w in words), str(p)
     key = path.rsplit(".", 1)[-1].split("[")[0]
     assert key in f.read_text().splitlines()[p.line - 1], str(p)
+
+
+def test_scale_is_read_with_numaflows_defaults_and_warned_about_unless_disabled(tmp_path):
+    """Numaflow's scale fields are accepted with its defaults; as no autoscaler acts on them, the
+    loader warns (located), unless disabled: true; 'isbflow validate' prints the warning and exits 0."""
+    text = PIPELINE.lstrip("-\n").replace("    - name: out\n", "    - name: out\n      scale:\n        max: 5\n"
+                                                                   "        lookbackSeconds: 60\n")
+    f = write(tmp_path, text)
+    specs = load_specs(f)
+    scale = specs.pipelines["p"].vertex("out").scale
+    assert (scale.min, scale.max, scale.lookbackSeconds, scale.scaleUpCooldownSeconds, scale.scaleDownCooldownSeconds,
+            scale.zeroReplicaSleepSeconds, scale.targetProcessingSeconds, scale.targetBufferAvailability,
+            scale.replicasPerScaleUp, scale.replicasPerScaleDown, scale.disabled) == (0, 5, 60, 90, 90, 120, 20, 50, 2, 2,
+                                                                                      False)
+    [w] = specs.warnings
+    assert w.path == "vertices[1].scale" and "no autoscaler acts on it yet" in w.message and "advise" in w.message
+    assert "scale:" in text.splitlines()[w.line - 1]
+    out = subprocess.run([ISBFLOW, "validate", "-f", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith(f"warning: {f}: vertices[1].scale: scale is accepted"), out.stderr
+    quiet = write(tmp_path, text.replace("        max: 5\n", "        disabled: true\n"), "quiet.yaml")
+    assert load_specs(quiet).warnings == []
+    bad = write(tmp_path, text.replace("        max: 5\n", "        targetBufferAvailability: 0\n"), "bad.yaml")
+    [p] = problems(bad)
+    assert p.path == "vertices[1].scale.targetBufferAvailability", str(p)

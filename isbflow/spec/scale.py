@@ -1,0 +1,83 @@
+"""Numaflow's ``scale`` on a vertex, read with Numaflow's fields, defaults and bounds.
+
+What a replica is here: a vertex's replicas are the task slots its query gets per micro-batch
+and, on a cluster master (``spark://...``), the application's executors that run them. No
+autoscaler acts on ``scale`` yet: a vertex runs with its ``partitions`` and the cores of the
+Spark application, so the loader accepts ``scale`` and warns (:func:`scale_warning`), and
+``isbflow pipeline advise`` reports the replicas Numaflow's formula asks for from what the
+steps measured (``isbflow.ops.advise``). ``disabled: true`` is Numaflow's way to say "no
+autoscaling" and draws no warning.
+
+Numaflow's deprecated ``replicasPerScale``, ``cooldownSeconds`` and ``targetBufferUsage`` are
+refused, naming their replacements (:mod:`isbflow.spec.numaflow`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, StrictBool, StrictInt, model_validator
+
+from isbflow.spec.fields import SpecModel
+
+#: Numaflow's defaults (docs/user-guide/reference/autoscaling.md)
+MIN_REPLICAS = 0
+MAX_REPLICAS = 50
+LOOKBACK_S = 120
+COOLDOWN_S = 90
+ZERO_REPLICA_SLEEP_S = 120
+TARGET_PROCESSING_S = 20
+TARGET_BUFFER_AVAILABILITY = 50
+REPLICAS_PER_SCALE = 2
+
+
+class Scale(SpecModel):
+    """Numaflow's autoscaling settings of one vertex (``scale``), with Numaflow's defaults.
+
+    A replica is a task slot of the vertex's query per micro-batch, and on a cluster master an
+    executor of the application. No autoscaler acts on these yet: ``isbflow validate`` warns
+    unless ``disabled: true``, and ``isbflow pipeline advise`` computes the desired replicas
+    with them from the measured rates and pending counts.
+    """
+
+    disabled: StrictBool = False
+    """Numaflow autoscaling off for this vertex (its replicas stay as they are). Default false."""
+    min: StrictInt = Field(default=MIN_REPLICAS, ge=0)
+    """The fewest replicas (task slots per micro-batch; executors on a cluster master), 0 or more;
+    0 lets the vertex scale to zero when nothing is pending. Default 0."""
+    max: StrictInt = Field(default=MAX_REPLICAS, ge=1)
+    """The most replicas, at least 1 and not below ``min``; ``min`` equal to ``max`` fixes the
+    number. Default 50."""
+    lookbackSeconds: StrictInt = Field(default=LOOKBACK_S, ge=1)
+    """Seconds over which the processing rate (rows/s) and pending count are averaged. Default 120."""
+    scaleUpCooldownSeconds: StrictInt = Field(default=COOLDOWN_S, ge=0)
+    """Seconds after a change of replicas before the vertex may scale up again. Default 90."""
+    scaleDownCooldownSeconds: StrictInt = Field(default=COOLDOWN_S, ge=0)
+    """Seconds after a change of replicas before the vertex may scale down again. Default 90."""
+    zeroReplicaSleepSeconds: StrictInt = Field(default=ZERO_REPLICA_SLEEP_S, ge=1)
+    """Seconds a vertex scaled to zero waits before it looks at its input again. Default 120."""
+    targetProcessingSeconds: StrictInt = Field(default=TARGET_PROCESSING_S, ge=1)
+    """For a source vertex: seconds in which the replicas should work off what is pending
+    (a larger value asks for fewer replicas). Default 20."""
+    targetBufferAvailability: StrictInt = Field(default=TARGET_BUFFER_AVAILABILITY, ge=1, le=100)
+    """For a udf or sink vertex: the percent (1 to 100) of its input buffer to keep free
+    (a larger value asks for more replicas). Default 50."""
+    replicasPerScaleUp: StrictInt = Field(default=REPLICAS_PER_SCALE, ge=1)
+    """The most replicas one scale-up adds. Default 2."""
+    replicasPerScaleDown: StrictInt = Field(default=REPLICAS_PER_SCALE, ge=1)
+    """The most replicas one scale-down removes. Default 2."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Scale:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not be above max ({self.max})")
+        return self
+
+
+def scale_warning(scale: Scale | None) -> str | None:
+    """What ``isbflow validate`` says about a vertex's ``scale``: None when there is nothing to say
+    (no ``scale``, or ``disabled: true``)."""
+    if scale is None or scale.disabled:
+        return None
+    return ("scale is accepted but no autoscaler acts on it yet: the step runs with its partitions and "
+            "the Spark application's cores; 'isbflow pipeline advise -f SPEC' reports the replicas "
+            f"Numaflow's formula asks for (min {scale.min}, max {scale.max}) from what the steps measured. "
+            "Set scale.disabled: true to silence this")
