@@ -49,7 +49,8 @@ class Observed(StrEnum):
 
 @dataclass
 class StepStatus:
-    """One step's heartbeat. Rates are rows/s over the last micro-batch."""
+    """One step's heartbeat. Rates are rows/s over the last micro-batch; ``batch_seconds`` is its
+    wall time (0 until a batch ran)."""
 
     vertex: str
     state: str = Observed.STARTING
@@ -59,6 +60,7 @@ class StepStatus:
     lag: dict[str, int] = field(default_factory=dict)  # input stream -> messages behind
     input_rows_per_s: float = 0.0
     processed_rows_per_s: float = 0.0
+    batch_seconds: float = 0.0  # wall time of the last micro-batch that ran (Spark's triggerExecution)
     rows_total: int = 0
     dlq_total: int = 0
     discarded_total: int = 0

@@ -118,7 +118,7 @@ def _ran(prog: dict | None) -> bool:
 def account_batches(status: st.StepStatus, queries: list[RunningQuery],
                     progress: list[dict | None] | None = None) -> None:
     """Fold each query's batches since the last call (once each) into the step's batch id, rates,
-    rows and late count. Idle triggers count for nothing: with event-driven steps they are common
+    last batch's wall time, rows and late count. Idle triggers count for nothing: with event-driven steps they are common
     (a trigger that waited for input in vain), and one carries the id of the next batch."""
     rows = 0
     progress = progress if progress is not None else last_progress(queries)
@@ -141,6 +141,7 @@ def account_batches(status: st.StepStatus, queries: list[RunningQuery],
         if new:  # (a report Spark no longer keeps is not counted)
             status.input_rows_per_s = float(new[-1].get("inputRowsPerSecond") or 0.0)
             status.processed_rows_per_s = float(new[-1].get("processedRowsPerSecond") or 0.0)
+            status.batch_seconds = float((new[-1].get("durationMs") or {}).get("triggerExecution") or 0) / 1e3
         for p in new:
             rows += int(p.get("numInputRows") or 0)
             for so in p.get("stateOperators") or []:

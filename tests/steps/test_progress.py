@@ -35,8 +35,8 @@ def test_idle_triggers_count_for_nothing_and_do_not_hide_the_next_batch():
     assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (40, 0, 10.0)
     rq.query.recentProgress.append(idle(1))
     rq.query.lastProgress = idle(1)
-    account_batches(status, [rq])  # the idle trigger: rates and rows as they were
-    assert (status.rows_total, status.batch_id, status.input_rows_per_s) == (40, 0, 10.0)
+    account_batches(status, [rq])  # the idle trigger: rates, rows and batch time as they were
+    assert (status.rows_total, status.batch_id, status.input_rows_per_s, status.batch_seconds) == (40, 0, 10.0, 0.009)
     rq.query.recentProgress.append(ran(1, 7, rate=3.0))
     rq.query.lastProgress = ran(1, 7, rate=3.0)
     account_batches(status, [rq])  # batch 1 runs after the idle trigger that carried its id: counted
