@@ -195,6 +195,66 @@ def status(
         console.print(ops.recovery_line(recovery), markup=False, highlight=False)
 
 
+@app.command()
+def advise(
+    file: SpecFile,
+    keys: Annotated[bool, typer.Option(
+        "--keys", help="Decode a hot partition's newest frames for its most frequent partitionKey values "
+                       "(reads buffer data: logs in as the admin, not the read-only reader).")] = False,
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    nats_url: NatsUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """A tuning report from what the steps measured: per step its processing rate, pending messages,
+    utilization (last batch time over the latency budget, limits.readTimeout) and the replicas
+    Numaflow's autoscaler formula asks for (with the vertex's scale, or Numaflow's defaults); per edge
+    its hot partitions (lag or messages written more than 2x the siblings' median and at least 10
+    messages above it); readBatchSize, bufferMaxLength and latency-budget advice. No autoscaler
+    acts on it: it reports. Exit 0; 1 when the ISB service cannot be read.
+
+    --json prints {"pipeline", "generated_at", "scaler", "thresholds": {"hot_factor",
+    "hot_floor_messages", "sample_frames", "full_batch"}, "vertices": [{"vertex", "role", "state",
+    "partitions", "rate", "input_rate", "pending", "pending_unit" (events | frames),
+    "batch_seconds", "budget_seconds", "utilization", "desired_replicas", "scale": {...},
+    "scale_configured", "advice": [lines]}], "edges": [{"from_vertex", "to_vertex",
+    "partition_key", "partitions": [{"partition", "stream", "lag", "written", "hot", "why",
+    "keys": [{"key", "share"}] | null}], "hot": [partition numbers], "keys_note"}]}.
+
+    Example: isbflow pipeline advise -f pipelines/logs.yaml --json
+    """
+    # lazy: ops.advise loads the NATS client and pyarrow, which 'isbflow --help' must not pay for
+    from isbflow.ops.advise import advise_sync
+
+    specs, p = pipeline_or_exit(file, pipeline)
+    settings = (settings_or_exit(nats_url, data_dir, specs, p.name) if keys
+                else reader_settings_or_exit(nats_url, data_dir, specs, p.name))
+    report = call(advise_sync, settings, p, sample=keys)
+    if json_out:
+        print_json(report.to_json())
+        return
+    t = Table("step", "state", "rate (rows/s)", "pending", "batch / budget", "utilization", "desired replicas")
+    for v in report.vertices:
+        t.add_row(v.vertex, v.state, f"{v.rate:,.0f}", f"{v.pending:,} {v.pending_unit}",
+                  f"{v.batch_seconds:.2f}s / {v.budget_seconds:g}s" if v.batch_seconds is not None
+                  else f"- / {v.budget_seconds:g}s",
+                  f"{v.utilization:.0%}" if v.utilization is not None else "",
+                  "" if v.desired_replicas is None else str(v.desired_replicas))
+    console.print(t)
+    for v in report.vertices:
+        for line in v.advice:
+            console.print(f"{v.vertex}: {line}", markup=False, highlight=False)
+    for e in report.edges:
+        for q in e.partitions:
+            if q.hot:
+                keys_text = (", keys " + ", ".join(f"{k['key']!r} {k['share']:.0%}" for k in q.keys)) if q.keys else ""
+                console.print(f"edge {e.from_vertex}->{e.to_vertex}: partition {q.partition} is hot ({q.why}){keys_text}",
+                              markup=False, highlight=False)
+        if e.hot and e.keys_note:
+            console.print(f"edge {e.from_vertex}->{e.to_vertex}: {e.keys_note}", markup=False, highlight=False)
+    console.print(report.scaler, markup=False, highlight=False)
+
+
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="pipeline")
     root.add_typer(step_app, name="step")
