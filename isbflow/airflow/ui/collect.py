@@ -18,16 +18,19 @@ from urllib.parse import quote
 from isbflow.airflow.ui.models import (
     EdgeView,
     FailedCheck,
+    HotPartitionView,
     PartitionView,
     PipelineView,
     QualityRun,
     RatePoint,
     ShadowDiff,
     SinkRuns,
+    StepAdviceView,
     StepView,
 )
 from isbflow.ops import quality as reports
 from isbflow.ops import status
+from isbflow.ops.advise import advise
 from isbflow.ops.status import LIVE_STATES, StepStatus, naming
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.models import Pipeline
@@ -133,6 +136,17 @@ async def read_status(nc: Any, view: PipelineView, p: Pipeline, stale_after: flo
     view.edges = edge_views(p, state.statuses)
     view.dlq_messages = state.dlq_messages
     view.recovery, view.recovery_state = state.recovery, state.recovery_state
+    try:
+        report = await advise(nc, p)
+    except Exception as e:  # the report is an extra: the status above still shows
+        log.warning("isbflow UI: the tuning report of pipeline %s failed: %s", p.name, e)
+        view.advice_error = f"the tuning report could not be made: {one_line(e)}"
+        return
+    view.advice = [StepAdviceView(vertex=v.vertex, rate=v.rate, pending=v.pending, pending_unit=v.pending_unit,
+                                  utilization=v.utilization, desired_replicas=v.desired_replicas, advice=v.advice)
+                   for v in report.vertices]
+    view.hot_partitions = [HotPartitionView(from_vertex=e.from_vertex, to_vertex=e.to_vertex, partition=q.partition,
+                                            why=q.why) for e in report.edges for q in e.partitions if q.hot]
 
 
 async def pipeline_views(loaded: list[LoadedSpec], connect: Any, stale_after: float) -> list[PipelineView]:

@@ -61,6 +61,27 @@ class EdgeView(BaseModel):
     partitions: list[PartitionView]
 
 
+class StepAdviceView(BaseModel):
+    """One step of the tuning report (:mod:`isbflow.ops.advise`, ``isbflow pipeline advise``)."""
+
+    vertex: str
+    rate: float  # processed rows/s over the vertex's lookbackSeconds
+    pending: int
+    pending_unit: str  # events (a source stream) | frames (an edge)
+    utilization: float | None = None  # last batch time over the latency budget
+    desired_replicas: int | None = None  # Numaflow's formula, in units of the step's parallelism now
+    advice: list[str] = Field(default_factory=list)
+
+
+class HotPartitionView(BaseModel):
+    """A partition whose lag or messages written stand well above its siblings'."""
+
+    from_vertex: str
+    to_vertex: str
+    partition: int
+    why: str | None = None
+
+
 class RunLink(BaseModel):
     """A DAG run in Airflow's metadata DB, with its UI address."""
 
@@ -87,6 +108,9 @@ class PipelineView(BaseModel):
     last_replay: RunLink | None = None
     recovery: str | None = None  # the last recovery, one line (``isbflow pipeline status`` shows the same)
     recovery_state: str | None = None  # running | recovered | nothing-lost | failed
+    advice: list[StepAdviceView] = Field(default_factory=list)  # the tuning report, per step
+    hot_partitions: list[HotPartitionView] = Field(default_factory=list)
+    advice_error: str | None = None  # why the tuning report could not be made
 
 
 class PipelinesResponse(BaseModel):
