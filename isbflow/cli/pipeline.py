@@ -217,9 +217,9 @@ def advise(
     "hot_floor_messages", "sample_frames", "full_batch"}, "vertices": [{"vertex", "role", "state",
     "partitions", "rate", "input_rate", "pending", "pending_unit" (events | frames),
     "batch_seconds", "budget_seconds", "utilization", "desired_replicas", "scale": {...},
-    "scale_configured", "advice": [lines]}], "edges": [{"from_vertex", "to_vertex",
+    "scale_configured", "advice": \\[lines]}], "edges": [{"from_vertex", "to_vertex",
     "partition_key", "partitions": [{"partition", "stream", "lag", "written", "hot", "why",
-    "keys": [{"key", "share"}] | null}], "hot": [partition numbers], "keys_note"}]}.
+    "keys": [{"key", "share"}] | null}], "hot": \\[partition numbers], "keys_note"}]}.
 
     Example: isbflow pipeline advise -f pipelines/logs.yaml --json
     """
