@@ -327,6 +327,7 @@ def run(args, result: dict) -> None:
     from isbflow.ops import pipeline as ops
     from isbflow.ops.produce import is_malformed
     from isbflow.ops.sinks import maintain_sinks, sink_table_path
+    from isbflow.sinks.maintain import MaintenanceError
     from isbflow.spec import load_specs
     from isbflow.spec.paths import DataDir
     from isbflow.steps.metrics import read_targets
@@ -408,8 +409,14 @@ def run(args, result: dict) -> None:
                 raise RuntimeError(f"the producer failed: {producer.error!r}")
             if args.maintain_every and now - last_maint >= args.maintain_every:
                 last_maint = now
-                done = maintain_sinks(p, work, retention_hours=args.vacuum_hours, force=True,
-                                      log_retention_hours=args.log_retention_hours)
+                try:
+                    done = maintain_sinks(p, work, retention_hours=args.vacuum_hours, force=True,
+                                          log_retention_hours=args.log_retention_hours)
+                except MaintenanceError as e:  # as a scheduled maintenance run would: it fails, the next one runs
+                    maintenance.append({"t": round(time.time() - t0, 2), "seconds": round(time.time() - now, 2),
+                                        "failed": str(e)})
+                    log(f"sink maintenance failed (the next run tries again): {e}")
+                    continue
                 maintenance.append({"t": round(time.time() - t0, 2), "seconds": round(time.time() - now, 2),
                                     **{k: v.to_json() for k, v in done.items()}})
                 log("maintained the sinks (data files, log files): "
