@@ -38,6 +38,7 @@ from isbflow.spec import SpecError, load_specs
 from isbflow.steps.launch import LaunchError, driver_command, launch
 from tests.conftest import ROOT
 from tests.helpers.scale_env import SPEC, DemoRun
+from tests.test_layout import parse
 
 COUNT = 1500
 
@@ -258,7 +259,7 @@ def test_no_module_runs_a_shell():
     """Every process isbflow starts gets an argument list: no shell=True, os.system or os.popen."""
     offenders = []
     for f in sorted((ROOT / "isbflow").rglob("*.py")):
-        tree = ast.parse(f.read_text(), filename=str(f))
+        tree = parse(f.read_text(), filename=str(f))
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
