@@ -15,7 +15,7 @@ import sys
 from tests.conftest import ROOT
 
 METRICS = ("cpu_per_batch_s", "commit_latency_s", "heartbeat_age_s", "files_total", "ledger_bytes",
-           "rss_bytes", "pss_bytes")
+           "delta_log_bytes", "checkpoint_bytes", "state_bytes", "rss_bytes", "pss_bytes")
 
 
 def test_quick_soak_reports_every_slope_and_loses_nothing(tmp_path):
