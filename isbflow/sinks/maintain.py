@@ -24,7 +24,13 @@ DAG):
    removed files for that long. Below the floor only with ``force``.
    Only files the log removed are deleted (delta-rs' default "lite" vacuum):
    files a running stream's tasks have written but the driver has not committed
-   yet are never touched, nor the sink's ``_isb_pending`` markers.
+   yet are never touched, nor the sink's ``_isb_pending`` markers. delta-rs lists
+   them (a dry run) and isbflow deletes them: delta-rs' own vacuum also commits a
+   VACUUM START and END to the log, informational commits the protocol does not
+   ask for, and the END one fails against any sink commit that removed a file in
+   between (an upsert sink committing every 200 ms made a vacuum fail five
+   attempts in a row); a file the log removed stays removed, so the list cannot
+   go stale.
 3. **bound the log** (:mod:`isbflow.sinks.delta_log`): first of all, the history
    is folded into one commit that keeps what the ledger, its quality basis and
    ``quality verify`` read from it (before the vacuum, which may delete files
@@ -47,12 +53,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
 
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from isbflow.local.delta import load_table
+from isbflow.local.delta import load_table, log_root
 from isbflow.sinks.delta_files import DeltaSinkError
 from isbflow.sinks.delta_log import (
     DEFAULT_LOG_RETENTION_HOURS,
@@ -134,12 +142,29 @@ def compact_table(table: DeltaTable, target_size: int | None = None, attempts: i
 def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: bool = False,
                  attempts: int = COMPACT_ATTEMPTS, sleep: Callable[[float], None] = time.sleep) -> list[str]:
     """Delete files the log removed more than ``retention_hours`` ago (module docstring); their paths.
-    Its start/end commits can conflict with a live sink's commit like a compaction (seen in a quick
-    soak: an upsert removed files meanwhile); it is run again on a fresh snapshot then."""
+    A local table's files are listed by delta-rs and deleted here, with no log commit to conflict
+    with a live sink's; a table elsewhere goes through delta-rs' vacuum, run again on a fresh
+    snapshot when its commits conflict (:func:`_on_fresh_snapshot`)."""
     check_retention(retention_hours, force)
-    return _on_fresh_snapshot("vacuuming", table, lambda t: t.vacuum(
-        retention_hours=retention_hours, dry_run=dry_run,
-        enforce_retention_duration=retention_hours >= DEFAULT_RETENTION_HOURS), attempts, sleep)
+    enforce = retention_hours >= DEFAULT_RETENTION_HOURS
+    if urlparse(table.table_uri).scheme not in ("", "file"):
+        return _on_fresh_snapshot("vacuuming", table, lambda t: t.vacuum(
+            retention_hours=retention_hours, dry_run=dry_run, enforce_retention_duration=enforce), attempts, sleep)
+    expired = table.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=enforce)
+    if dry_run:
+        return expired
+    root = Path(log_root(table)).parent
+    deleted = []
+    for rel in expired:  # module docstring: listed by delta-rs, deleted without its log commits
+        path = root / rel if (root / rel).exists() else root / unquote(rel)
+        try:
+            path.unlink()
+            deleted.append(rel)
+        except FileNotFoundError:  # another vacuum took it
+            pass
+        except OSError as e:
+            raise MaintenanceError(f"vacuuming {table.table_uri}: cannot delete {rel} ({e}); run it again") from e
+    return deleted
 
 
 def _on_fresh_snapshot(what: str, table: DeltaTable, action: Callable[[DeltaTable], T], attempts: int,
