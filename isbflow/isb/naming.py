@@ -53,6 +53,13 @@ def source_stream(pipeline: Pipeline, vertex: str) -> str:
     return derived.source_stream(pipeline.name, vertex, v.source.jetstream.stream)
 
 
+def wake_subject(stream: str) -> str:
+    """Where JetStream republishes the headers of each message ``stream`` stores (its RePublish, the
+    message's own subject appended): what a step waiting for the stream to grow listens on
+    (:mod:`isbflow.isb.wait`). A wildcard subject, as a subscription or a permission takes it."""
+    return f"isbflow.wake.{stream}.>"
+
+
 def dlq_stream(pipeline: str) -> str:
     return derived.dlq_stream(pipeline)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from enum import Enum
 from typing import Any, Literal
 
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
+from nats.js.api import DiscardPolicy, RePublish, RetentionPolicy, StorageType
 
 from isbflow.isb import naming
 from isbflow.spec.load import Specs
@@ -39,7 +39,10 @@ _DEFAULT_DUPLICATES = 120.0  # what the server stores when duplicate_window is 0
 
 
 def plain(v: Any) -> Any:
-    """An enum's value (JetStream's own spelling), anything else as is."""
+    """An enum's value (JetStream's own spelling), a nested config (``RePublish``) as its set
+    fields, anything else as is."""
+    if is_dataclass(v) and not isinstance(v, type):
+        return {k: x for k, x in asdict(v).items() if x is not None}
     return v.value if isinstance(v, Enum) else v
 
 
@@ -129,20 +132,22 @@ def desired_resources(specs: Specs, pipeline: str | None = None) -> list[Resourc
     out: list[Resource] = []
 
     def stream(name: str, subjects: list[str], description: str, managed: bool = True,
-               reader: str | None = None, config: dict[str, Any] = base, **labels: str) -> None:
+               reader: str | None = None, config: dict[str, Any] = base, wake: bool = False, **labels: str) -> None:
         fields = {**config, "subjects": subjects, "description": description}
+        if wake:  # each stored message's headers on naming.wake_subject: what an idle reader waits on
+            fields["republish"] = RePublish(src=">", dest=naming.wake_subject(name), headers_only=True)
         out.append(Resource(name, "stream", fields, {"isbflow.pipeline": p.name, **labels}, managed, reader))
 
     for v in p.spec.vertices:
         if v.source is not None and v.source.jetstream is not None:
             stream(naming.source_stream(p, v.name), [v.source.jetstream.subject],
                    f"isbflow pipeline {p.name}: events of source {v.name}",
-                   managed=v.source.jetstream.stream is None, reader=v.name,
+                   managed=v.source.jetstream.stream is None, reader=v.name, wake=True,
                    **{"isbflow.role": "source", "isbflow.vertex": v.name})
     for ep in naming.edge_partitions(p):
         stream(ep.stream, [ep.subject],
                f"isbflow pipeline {p.name}: buffer {ep.from_vertex} -> {ep.to_vertex}, partition {ep.partition}",
-               reader=ep.to_vertex,
+               reader=ep.to_vertex, wake=True,
                **{"isbflow.role": "edge", "isbflow.edge": f"{ep.from_vertex}->{ep.to_vertex}",
                   "isbflow.partition": str(ep.partition)})
     stream(naming.dlq_stream(p.name), [naming.dlq_subjects(p.name)],

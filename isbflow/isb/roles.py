@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from isbflow.isb import naming
 from isbflow.spec import derived
 
 if TYPE_CHECKING:
@@ -161,7 +162,9 @@ def pipeline_permissions(g: PipelineGrant) -> Permissions:
         pub += [*_read_stream(f"KV_{b}"), f"$KV.{b}.>"]
     for b in g.references:
         pub += _read_stream(f"KV_{b}")
-    return Permissions(tuple(dict.fromkeys(pub)), _inbox(pipeline_user(g.pipeline)))
+    # its own streams' RePublish subjects (headers only): how an idle step waits for its input to grow
+    wake = tuple(naming.wake_subject(s) for s in (*g.buffers, *g.sources))
+    return Permissions(tuple(dict.fromkeys(pub)), _inbox(pipeline_user(g.pipeline)) + wake)
 
 
 def role_permissions(grants: Sequence[PipelineGrant]) -> dict[str, Permissions]:

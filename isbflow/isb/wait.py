@@ -8,16 +8,18 @@ nothing new blocks in :func:`wait_for_append` until one of its streams gets a
 message past what it has seen, then reads at once: a downstream step starts its
 micro-batch when the upstream's frames land, not on its next tick.
 
-How: per stream, an ephemeral pull consumer (memory, R1, no acks, headers only:
-no payload crosses the wire) starting right after the last sequence seen, and
-one pull request for one message that the server holds open until a message
-comes or the wait ends. A message appended between the caller's look and the
-consumer's creation is delivered at once, so nothing is missed. The consumers
-are deleted at the end (``inactive_threshold`` covers a crash).
+How: each stream isbflow creates for a pipeline (its edges, its sources) has JetStream's
+RePublish on: the server sends the headers of every message it stores, no payload, to the
+stream's wake subject (:func:`isbflow.isb.naming.wake_subject`), which only that pipeline's
+user may subscribe to. A waiter subscribes there, makes sure the server has the subscription
+(a flush), then looks at each stream's last sequence: a message stored before the
+subscription is seen by that look, one stored after it arrives as a wake, so nothing is
+missed. No consumer is made: a pipeline's user may create none (:mod:`isbflow.isb.roles`:
+a push consumer's delivery subject is not checked against its creator's rights), and a wake
+reads nothing from the stream, so it works under every retention policy.
 
-Only on streams with ``Limits`` retention: a consumer on a ``WorkQueue`` stream
-would conflict with the step's own reads, and on an ``Interest`` stream a
-delivery to a consumer without acks could count as consumed.
+A stream without RePublish (a stream the spec names, which its producers own) cannot be
+waited on: the step looks again each trigger.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+
+from isbflow.isb import naming
 
 log = logging.getLogger(__name__)
 API = "$JS.API"
@@ -47,36 +51,35 @@ async def wait_for_append(nc, after: Mapping[str, int], timeout: float,
                           cancelled: Callable[[], bool] = lambda: False, check_every: float = 0.5) -> bool:
     """True as soon as a stream of ``after`` (stream -> last sequence seen) holds a message past
     it; False after ``timeout`` seconds, or within ``check_every`` s of ``cancelled()`` turning
-    true. A stream that cannot be waited on (missing, a consumer refused) returns True at once:
-    the caller looks again and sees why. (``check_every``: 0.5 s, not 0.2 s, cut the seven idle
-    demo steps' waits from 1.7% to 0.9% of a core, one run each; a drain or stop waits up to 0.3 s longer.)"""
+    true. A stream that cannot be waited on (missing, no RePublish to its wake subject) returns
+    True at once: the caller looks again and sees why. (``check_every``: 0.5 s, not 0.2 s, cut the
+    seven idle demo steps' waits from 1.7% to 0.9% of a core; a drain or stop waits up to 0.3 s longer.)"""
     loop = asyncio.get_running_loop()
-    inbox = nc.new_inbox()
     got = asyncio.Event()
 
     async def on_msg(m) -> None:
-        if m.reply:  # a delivery (statuses, e.g. 408 when a request expires, have no reply subject)
-            got.set()
+        got.set()
 
-    sub = await nc.subscribe(inbox + ".*", cb=on_msg)
-    made: dict[str, str] = {}
+    subs = []
     try:
-        for i, (stream, last) in enumerate(after.items()):
-            config = {"deliver_policy": "by_start_sequence", "opt_start_seq": last + 1, "ack_policy": "none",
-                      "headers_only": True, "mem_storage": True, "num_replicas": 1,
-                      "inactive_threshold": int(max(30.0, 2 * timeout) * 1e9),
-                      "description": "isbflow wait for new data"}
-            reply = await nc.request(f"{API}.CONSUMER.CREATE.{stream}",
-                                     json.dumps({"stream_name": stream, "config": config}).encode(), timeout=5)
-            resp = json.loads(reply.data)
-            if resp.get("error"):
-                _warn(stream, f"cannot wait for new data on {stream} ({resp['error'].get('description', resp['error'])}); "
+        for stream in after:
+            subs.append(await nc.subscribe(naming.wake_subject(stream), cb=on_msg))
+        await nc.flush(timeout=5)  # the server holds the subscriptions before the look below
+        for stream, last in after.items():
+            reply = await nc.request(f"{API}.STREAM.INFO.{stream}", b"", timeout=5)
+            info = json.loads(reply.data)
+            if info.get("error"):
+                _warn(stream, f"cannot wait for new data on {stream} ({info['error'].get('description', info['error'])}); "
                               "the step looks each trigger instead")
                 return True
-            made[stream] = resp["name"]
-            await nc.publish(f"{API}.CONSUMER.MSG.NEXT.{stream}.{resp['name']}",
-                             json.dumps({"batch": 1, "expires": int((timeout + 5) * 1e9)}).encode(),
-                             reply=f"{inbox}.{i}")
+            republish = info.get("config", {}).get("republish") or {}
+            if republish.get("dest") != naming.wake_subject(stream):
+                _warn(stream, f"cannot wait for new data on {stream}: it republishes nothing to "
+                              f"{naming.wake_subject(stream)} (a stream the spec names, or one provisioned by an "
+                              "older isbflow: re-run 'isbflow isb apply'); the step looks each trigger instead")
+                return True
+            if int(info.get("state", {}).get("last_seq", 0)) > last:
+                return True
         deadline = loop.time() + timeout
         while not got.is_set():
             left = deadline - loop.time()
@@ -88,9 +91,8 @@ async def wait_for_append(nc, after: Mapping[str, int], timeout: float,
                 pass
         return True
     finally:
-        await sub.unsubscribe()
-        for stream, name in made.items():
+        for sub in subs:
             try:
-                await nc.request(f"{API}.CONSUMER.DELETE.{stream}.{name}", b"", timeout=5)
-            except Exception:  # noqa: BLE001 - the inactive_threshold removes it anyway
-                log.debug("could not delete wait consumer %s on %s", name, stream)
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - a closed connection drops its subscriptions anyway
+                log.debug("could not unsubscribe from %s", sub.subject)

@@ -325,3 +325,38 @@ def test_the_platforms_producer_publishes_as_the_producer_role_not_the_admin(gra
         assert asyncio.run(stored()) >= 20, Path(proc.log).read_text()[-2000:]
     finally:
         stop_process(proc.pid, proc.proc_start, grace=2)
+
+
+def test_a_pipeline_user_waits_on_its_own_buffers_wakes_and_never_on_anothers(granted):
+    """An idle step waits for its input through the stream's RePublish (headers only), without a
+    consumer: its user may subscribe to its own streams' wake subjects, not to another pipeline's."""
+    from isbflow.isb.wait import wait_for_append
+
+    server, specs = granted
+    mine = naming.edge_partitions(specs.pipelines["logs"])[0]
+    theirs = naming.edge_partitions(specs.pipelines["other"])[0]
+
+    async def go():
+        async with session(as_role(server, roles.pipeline_user("logs")), name="t-wake") as nc:
+            async def later():
+                await asyncio.sleep(0.5)
+                await nc.jetstream().publish(mine.subject, b"frame")
+
+            task = asyncio.create_task(later())
+            woke = await wait_for_append(nc, {mine.stream: 0}, timeout=30)
+            await task
+            got = []
+
+            async def collect(m):
+                got.append(m)
+
+            await nc.subscribe(naming.wake_subject(theirs.stream), cb=collect)
+            await nc.flush()
+            async with session(server.settings, name="t-admin") as admin:
+                await admin.jetstream().publish(theirs.subject, b"frame")
+                await asyncio.sleep(0.5)
+        return woke, got
+
+    woke, got = asyncio.run(go())
+    assert woke is True
+    assert got == [] and naming.wake_subject(theirs.stream) in violations(server, roles.pipeline_user("logs"))
