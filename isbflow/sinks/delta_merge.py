@@ -107,10 +107,11 @@ def check_not_null(table: DeltaTable | None, actions: Iterable[AddAction], root:
     ``nullCount`` stats answer; a file without them has that column read back."""
     required = [f.name for f in table.schema().fields if not f.nullable] if table is not None else []
     for a in actions if required else ():
-        counts = json.loads(a.stats or "{}").get("nullCount") or {}
+        stats = json.loads(a.stats or "{}")
+        counts = stats.get("nullCount") or {}
         for col in required:
             if col in a.partition_values:
-                nulls = json.loads(a.stats or "{}").get("numRecords", 1) if a.partition_values[col] is None else 0
+                nulls = stats.get("numRecords", 1) if a.partition_values[col] is None else 0
             elif isinstance(counts.get(col), int):
                 nulls = counts[col]
             else:
