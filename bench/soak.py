@@ -36,8 +36,9 @@ turned into a rate):
   (informational, in ``info_slopes`` with each kind of file).
 
 The JSON's ``slopes``: per metric, the mean over the first fifth and the last fifth of the
-steady run (from the first sample at which every step has committed a batch to the end of
-producing), their ratio ``last / first`` and ``flat`` (ratio <= 1.1). Per-batch CPU and
+measured run (from ``--settle-minutes`` after the first sample at which every step has committed a
+batch, when the Delta logs have reached their retention and the state stores their retained
+versions, to the end of producing), their ratio ``last / first`` and ``flat`` (ratio <= 1.1). Per-batch CPU and
 commit latency are ratios of the counters' growth over each fifth (a fifth in which no batch
 committed, as in a short run on a loaded machine, is widened towards the middle until one has;
 ``seconds`` gives each window's span). At the end the producer
@@ -336,7 +337,8 @@ def run(args, result: dict) -> None:
                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                    "config": {k: getattr(args, k) for k in ("batches", "max_minutes", "wall_minutes", "rate", "trigger",
                                                             "malformed_every", "sample_every", "maintain_every",
-                                                            "vacuum_hours", "log_retention_hours", "quick")}
+                                                            "vacuum_hours", "log_retention_hours", "settle_minutes",
+                                                            "quick")}
                    | {"spec": str(SPEC.relative_to(ROOT)), "master": "local[2]", "flat_when": f"last/first <= {FLAT}"}})
     work = Path(tempfile.mkdtemp(prefix="isbflow-bench-soak-"))
     specs = load_specs(SPEC)
@@ -437,12 +439,14 @@ def run(args, result: dict) -> None:
                                                            for v, n in final.items()},
                          "reached_target": min(final.values()) >= args.batches, "produced": producer.published,
                          "startup_relaunches": relaunches}
-        result["slopes"] = slopes(series, steady_at, t_end)
+        measured_from = min(steady_at + args.settle_minutes * 60, (steady_at + t_end) / 2)
+        result["run"]["measured_from_s"] = round(measured_from, 2)
+        result["slopes"] = slopes(series, measured_from, t_end)
         result["all_flat"] = all(m["flat"] for m in result["slopes"].values())
         for kind in series[-1]["files"]:  # each kind of file on its own (files_total sums them)
             for x in series:
                 x[f"files_{kind}"] = x["files"].get(kind, 0)
-        result["info_slopes"] = {key: ends(series, key, steady_at, t_end)
+        result["info_slopes"] = {key: ends(series, key, measured_from, t_end)
                                  for key in ["lag", "logs_bytes", *(f"files_{k}" for k in series[-1]["files"])]}
         result["files_final"] = series[-1]["files"]
         result["delta_log_files_peak"] = {k: max(x["files"].get(f"sink_{k}_log", 0) for x in series) for k in sinks}
@@ -512,6 +516,10 @@ def main() -> None:
     ap.add_argument("--vacuum-hours", type=int, default=0, help="vacuum retention (default 0: accelerated)")
     ap.add_argument("--log-retention-hours", type=float,
                     help="Delta log retention of the maintenance (default: twice --maintain-every; quick 0)")
+    ap.add_argument("--settle-minutes", type=float,
+                    help="the slopes' window starts this long after every step's first batch, once the log "
+                         "retention and a maintenance run have passed (default: log retention + maintenance "
+                         "interval; quick 0; at most half the run)")
     ap.add_argument("--out", default=str(BENCH / "results" / "soak.json"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     args = ap.parse_args()
@@ -527,6 +535,8 @@ def main() -> None:
         args.maintain_every = 20.0 if args.quick else 300.0
     if args.log_retention_hours is None:
         args.log_retention_hours = 0.0 if args.quick else 2 * args.maintain_every / 3600
+    if args.settle_minutes is None:
+        args.settle_minutes = 0.0 if args.quick else (args.log_retention_hours * 3600 + args.maintain_every) / 60
     result: dict = {}
     try:
         run(args, result)

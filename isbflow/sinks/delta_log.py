@@ -72,15 +72,35 @@ _log = logging.getLogger(__name__)
 
 #: the log retention used when none is given, and the lowest allowed without ``force`` (module docstring)
 DEFAULT_LOG_RETENTION_HOURS = 168
+#: the vacuum retention used when none is given (:data:`isbflow.sinks.maintain.DEFAULT_RETENTION_HOURS`)
+DEFAULT_VACUUM_HOURS = 168
 #: custom metadata naming isbflow's maintenance commits (compaction, fold, table properties)
 MAINTENANCE_KEY = "isb.maintenance"
 FOLD_CLAIMED_KEY = "isb.fold.claimed"
 FOLD_FOREIGN_KEY = "isb.fold.foreign"
 FOLD_COMMITS_KEY = "isb.fold.commits"
-#: table properties of the sink tables the stream creates: the default log retention, and only
-#: :func:`bound_log` removes log files (so maintenance at the default changes no table metadata)
-TABLE_CONFIGURATION = {"delta.logRetentionDuration": f"interval {DEFAULT_LOG_RETENTION_HOURS * 3600} seconds",
-                       "delta.enableExpiredLogCleanup": "false"}
+
+
+def tombstone_hours(vacuum_hours: float, log_hours: float) -> float:
+    """How long a checkpoint keeps the tombstone (``remove`` action) of a removed file:
+    ``delta.deletedFileRetentionDuration``. A checkpoint carries every unexpired tombstone, so
+    with Delta's default (7 days) a sink compacted every few minutes grows its checkpoints for a
+    week. It is the vacuum retention plus the log retention: the vacuum lists what to delete
+    from the tombstones, and a maintenance schedule that bounds the log runs at least once per
+    log retention, so every removed file is vacuumed before its tombstone expires."""
+    return vacuum_hours + log_hours
+
+
+def _interval(hours: float) -> str:
+    return f"interval {round(hours * 3600)} seconds"
+
+
+#: table properties of the sink tables the stream creates: the default log and tombstone retentions,
+#: and only :func:`bound_log` removes log files (so maintenance at the defaults changes no table metadata)
+TABLE_CONFIGURATION = {"delta.logRetentionDuration": _interval(DEFAULT_LOG_RETENTION_HOURS),
+                       "delta.enableExpiredLogCleanup": "false",
+                       "delta.deletedFileRetentionDuration": _interval(
+                           tombstone_hours(DEFAULT_VACUUM_HOURS, DEFAULT_LOG_RETENTION_HOURS))}
 #: operations that rewrite files without changing the data
 MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 REPROCESS_OPERATION = "replace_keys"
@@ -239,22 +259,25 @@ def log_files(path: str | Path) -> int:
     return sum(1 for _ in log.iterdir()) if log.is_dir() else 0
 
 
-def retention_properties(hours: float) -> dict[str, str]:
-    """The table properties :func:`bound_log` sets for a log retention of ``hours``."""
-    return {**TABLE_CONFIGURATION, "delta.logRetentionDuration": f"interval {round(hours * 3600)} seconds"}
+def retention_properties(hours: float, vacuum_hours: float = DEFAULT_VACUUM_HOURS) -> dict[str, str]:
+    """The table properties :func:`bound_log` sets for a log retention of ``hours`` and a vacuum
+    retention of ``vacuum_hours`` (the tombstones': :func:`tombstone_hours`)."""
+    return {**TABLE_CONFIGURATION, "delta.logRetentionDuration": _interval(hours),
+            "delta.deletedFileRetentionDuration": _interval(tombstone_hours(vacuum_hours, hours))}
 
 
 #: commits of a fold tried when a live writer commits between loading the table and the fold's commit
 FOLD_ATTEMPTS = 5
 
 
-def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *, force: bool = False) -> int:
+def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *, force: bool = False,
+             vacuum_hours: float = DEFAULT_VACUUM_HOURS) -> int:
     """Steps 1 and 2 of the module docstring: set the log retention, fold the history of the Delta
     table at ``path`` into one commit; the last version the fold covers. Run it before a vacuum that
     may delete files a reprocess or foreign commit touched (verify's claim reads them)."""
     check_log_retention(retention_hours, force)
     table = load_table(path)
-    wanted = retention_properties(retention_hours)
+    wanted = retention_properties(retention_hours, vacuum_hours)
     if any(table.metadata().configuration.get(k) != v for k, v in wanted.items()):
         table.alter.set_table_properties(wanted, commit_properties=CommitProperties(
             custom_metadata={MAINTENANCE_KEY: "log-retention"}))
@@ -300,10 +323,10 @@ def trim_log(path: str, folded_through: int) -> None:
 
 
 def bound_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
-              force: bool = False) -> LogCleanup:
+              force: bool = False, vacuum_hours: float = DEFAULT_VACUUM_HOURS) -> LogCleanup:
     """Fold the history of the Delta table at ``path``, checkpoint it and remove log files older
     than ``retention_hours`` (module docstring)."""
     before = log_files(path)
-    through = fold_log(path, retention_hours, force=force)
+    through = fold_log(path, retention_hours, force=force, vacuum_hours=vacuum_hours)
     trim_log(path, through)
     return LogCleanup(through, before, log_files(path), retention_hours)

@@ -64,6 +64,7 @@ from isbflow.local.delta import load_table, log_root
 from isbflow.sinks.delta_files import DeltaSinkError
 from isbflow.sinks.delta_log import (
     DEFAULT_LOG_RETENTION_HOURS,
+    DEFAULT_VACUUM_HOURS,
     MAINTENANCE_KEY,
     LogRetentionError,
     check_log_retention,
@@ -74,7 +75,7 @@ from isbflow.sinks.delta_log import (
 from isbflow.sinks.delta_merge import open_table
 
 #: the vacuum retention used when none is given, and the lowest allowed without ``force`` (module docstring)
-DEFAULT_RETENTION_HOURS = 168
+DEFAULT_RETENTION_HOURS = DEFAULT_VACUUM_HOURS
 #: compaction attempts on a live sink: a micro-batch that rewrites files the compaction read (an
 #: upsert sink's merge does, every batch) fails its commit; it is run again on the new snapshot
 COMPACT_ATTEMPTS = 5
@@ -146,7 +147,9 @@ def vacuum_table(table: DeltaTable, retention_hours: int, dry_run: bool, force: 
     with a live sink's; a table elsewhere goes through delta-rs' vacuum, run again on a fresh
     snapshot when its commits conflict (:func:`_on_fresh_snapshot`)."""
     check_retention(retention_hours, force)
-    enforce = retention_hours >= DEFAULT_RETENTION_HOURS
+    # the floor is check_retention's; delta-rs' own would refuse any retention below the table's
+    # tombstone retention (the vacuum's plus the log's, delta_log.tombstone_hours)
+    enforce = False
     if urlparse(table.table_uri).scheme not in ("", "file"):
         return _on_fresh_snapshot("vacuuming", table, lambda t: t.vacuum(
             retention_hours=retention_hours, dry_run=dry_run, enforce_retention_duration=enforce), attempts, sleep)
@@ -202,7 +205,8 @@ def maintain_table(path: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *,
                            retention_hours=retention_hours, log_retention_hours=log_retention_hours,
                            log_files_before=log_files(path))
     if not dry_run:
-        out.folded_through = _log_step(path, fold_log, path, log_retention_hours, force=force)
+        out.folded_through = _log_step(path, fold_log, path, log_retention_hours, force=force,
+                                       vacuum_hours=retention_hours)
         out.compacted = compact_table(load_table(path), target_size)
         table = load_table(path)
     out.vacuumed = vacuum_table(table, retention_hours, dry_run, force)

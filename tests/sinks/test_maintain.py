@@ -361,3 +361,46 @@ def test_a_fold_meeting_a_concurrent_rewrite_folds_again(tmp_path, monkeypatch):
     monkeypatch.setattr(DeltaTable, "delete", lambda self, predicate: real_delete(self, "v >= 26"))
     with pytest.raises(CommitFailedError, match="concurrent"):
         delta_log.fold_log(path, 0, force=True)
+
+
+def _tombstones(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    log = os.path.join(path, "_delta_log")
+    newest = sorted(f for f in os.listdir(log) if f.endswith(".checkpoint.parquet"))[-1]
+    return pq.read_table(os.path.join(log, newest), columns=["remove"]).column("remove").drop_null().__len__()
+
+
+def test_tombstones_expire_after_the_vacuum_and_log_retentions(tmp_path):
+    """A checkpoint keeps a removed file's tombstone for ``delta.deletedFileRetentionDuration``: Delta's
+    default (7 days) made every maintenance run's checkpoint bigger than the one before on a sink compacted
+    every few minutes. Maintenance sets it to the vacuum retention plus the log retention."""
+    import time
+
+    from isbflow.sinks.delta_log import TABLE_CONFIGURATION, retention_properties, tombstone_hours
+
+    path = str(tmp_path / "t")
+    opts = DeltaSinkOptions.from_options({"path": path, "appId": APP})
+    assert tombstone_hours(DEFAULT_RETENTION_HOURS, 168) == 336
+    first = 1
+    for batch in range(5):
+        commit(opts, batch, first, 10)
+        first += 10
+    assert DeltaTable(path).metadata().configuration == TABLE_CONFIGURATION
+    maintain_table(path)  # the defaults: the removed files' tombstones are kept (336 h)
+    DeltaTable(path).create_checkpoint()  # as the sink's next automatic checkpoint would
+    assert _tombstones(path) == 10
+    counts = []
+    for run in range(3):
+        for batch in range(5 + 5 * run, 10 + 5 * run):
+            commit(opts, batch, first, 10)
+            first += 10
+        maintain_table(path, 0, force=True, log_retention_hours=0)
+        time.sleep(1.1)  # the tombstones' age, at a retention of 0 h
+        DeltaTable(path).create_checkpoint()
+        counts.append(_tombstones(path))
+    assert counts == [0, 0, 0]  # 10 or 11 files compacted away by each run, none of them kept in a checkpoint
+    assert DeltaTable(path).metadata().configuration["delta.deletedFileRetentionDuration"] == \
+        retention_properties(0, 0)["delta.deletedFileRetentionDuration"] == "interval 0 seconds"
+    assert len(data_files(path)) == 1
+    assert sorted(read_sink(path).column("v").to_pylist()) == list(range(1, first))
