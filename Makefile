@@ -28,6 +28,7 @@ run: venv
 test: venv
 	@scripts/ensure-chromium
 	@scripts/ensure-postgres
+	@scripts/ensure-redis
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
