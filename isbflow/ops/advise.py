@@ -13,8 +13,9 @@ Per vertex:
   up to ``frameRows`` records on an internal edge);
 - ``utilization``: the last batch's wall time over the latency budget (the effective
   ``limits.readTimeout``); above 1 the step cannot keep its budget;
-- ``desired_replicas``: Numaflow's autoscaler formula (pkg/reconciler/vertex/scaling), per input
-  partition and the largest taken, in units of the step's parallelism now (1: what it has). A
+- ``desired_replicas``: Numaflow's autoscaler formula (:func:`isbflow.steps.autoscale.desired_replicas`,
+  the one the runner's autoscaler acts on), per input partition and the largest taken, in units of
+  the step's parallelism now (1: what it has). A
   source: ``round(pending / rate / targetProcessingSeconds)``. A udf or sink, on its buffer in
   frames (``limit = ceil(bufferMaxLength * bufferUsageLimit / frameRows)``, ``target = capacity *
   targetBufferAvailability / 100``): ``1 + replicasPerScaleUp`` when ``pending >= limit``, else
@@ -47,6 +48,7 @@ from isbflow.isb.read import read_range, stream_state
 from isbflow.isb.state import StepStatus, all_status, get_rates
 from isbflow.spec.models import Pipeline, Vertex
 from isbflow.spec.scale import Scale
+from isbflow.steps.autoscale import desired_replicas
 from isbflow.steps.lag import BufferLag, pipeline_lag
 
 #: a partition is hot when its measure is more than this times its siblings' median ...
@@ -64,8 +66,9 @@ IDLE_UTILIZATION = 0.05
 #: the least readTimeout the report suggests (shorter budgets cost CPU per event: docs/performance.md)
 MIN_SUGGESTED_BUDGET_S = 0.5
 
-SCALER = ("no autoscaler acts on scale yet: desired_replicas is what Numaflow's formula asks for, "
-          "in units of each step's parallelism now (its partitions and the Spark application's cores)")
+SCALER = ("desired_replicas is what Numaflow's formula asks for, in units of each step's parallelism now; "
+          "the runner's autoscaler acts on a vertex's scale (its step's status shows its replicas: "
+          "docs/autoscaling.md)")
 
 
 @dataclass
@@ -147,32 +150,6 @@ def mean_rate(status: StepStatus | None, history: list[dict[str, float]], lookba
     if recent:
         return sum(recent) / len(recent)
     return float(status.processed_rows_per_s) if status is not None else 0.0
-
-
-def _round(x: float) -> int:
-    """Go's math.Round (halves away from zero), as Numaflow rounds; Python's round() halves to even."""
-    return math.floor(x + 0.5)
-
-
-def desired_replicas(source: bool, scale: Scale, rate: float, pending: list[int], capacity_frames: int,
-                     limit_frames: int) -> int:
-    """Numaflow's desired replicas (module docstring), with the current replicas taken as 1:
-    ``pending`` per input partition, ``capacity_frames`` a partition's ``bufferMaxLength`` in frames,
-    ``limit_frames`` the part of it writers fill before ``onFull``."""
-    if sum(pending) == 0 and rate == 0:
-        return scale.min
-    best = 1
-    for p in pending:
-        if p == 0 or rate == 0:
-            continue  # Numaflow's rule: nothing to say about this partition
-        if source:
-            d = _round(p / rate / scale.targetProcessingSeconds)
-        elif p >= limit_frames:
-            d = 1 + scale.replicasPerScaleUp
-        else:
-            d = _round(capacity_frames * scale.targetBufferAvailability / 100 / (limit_frames - p))
-        best = max(best, min(max(d, 1), p))
-    return min(max(best, scale.min), scale.max)
 
 
 def vertex_advice(va: VertexAdvice, v: Vertex, p: Pipeline, pending: dict[str, int], limit_frames: int,
@@ -287,8 +264,10 @@ async def advise(nc: Any, p: Pipeline, *, sample: bool = False, now: float | Non
             pending=sum(pending.values()), pending_unit="events" if v.source is not None else "frames",
             batch_seconds=batch, budget_seconds=budget,
             utilization=round(batch / budget, 4) if batch is not None else None,
-            desired_replicas=desired_replicas(v.source is not None, scale, rate, list(pending.values()), capacity,
-                                              limit_frames) if measured or any(pending.values()) else None,
+            desired_replicas=desired_replicas(
+                v.source is not None, scale, rate, list(pending.values()), 1, limit_frames,
+                math.floor(capacity * scale.targetBufferAvailability / 100))
+            if measured or any(pending.values()) else None,
             scale=scale.model_dump(), scale_configured=v.scale is not None)
         va.advice = vertex_advice(va, v, p, pending, limit_frames, v.onFull.value)
         vertices.append(va)

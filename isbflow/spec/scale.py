@@ -1,12 +1,11 @@
 """Numaflow's ``scale`` on a vertex, read with Numaflow's fields, defaults and bounds.
 
 What a replica is here: a vertex's replicas are the task slots its query gets per micro-batch
-and, on a cluster master (``spark://...``), the application's executors that run them. No
-autoscaler acts on ``scale`` yet: a vertex runs with its ``partitions`` and the cores of the
-Spark application, so the loader accepts ``scale`` and warns (:func:`scale_warning`), and
-``isbflow pipeline advise`` reports the replicas Numaflow's formula asks for from what the
-steps measured (``isbflow.ops.advise``). ``disabled: true`` is Numaflow's way to say "no
-autoscaling" and draws no warning.
+and, on a cluster master (``spark://...``), the application's executors that run them. The
+runner's autoscaler acts on ``scale`` as Numaflow's does (:mod:`isbflow.steps.autoscale`);
+``disabled: true`` is Numaflow's way to say "no autoscaling". What it does not do, the loader
+warns about (:func:`scale_warning`): a running step keeps at least one replica, so ``min: 0``
+(scale to zero, the default) is not the step's autoscaler's to act on.
 
 Numaflow's deprecated ``replicasPerScale``, ``cooldownSeconds`` and ``targetBufferUsage`` are
 refused, naming their replacements (:mod:`isbflow.spec.numaflow`).
@@ -33,9 +32,8 @@ class Scale(SpecModel):
     """Numaflow's autoscaling settings of one vertex (``scale``), with Numaflow's defaults.
 
     A replica is a task slot of the vertex's query per micro-batch, and on a cluster master an
-    executor of the application. No autoscaler acts on these yet: ``isbflow validate`` warns
-    unless ``disabled: true``, and ``isbflow pipeline advise`` computes the desired replicas
-    with them from the measured rates and pending counts.
+    executor of the application. The runner's autoscaler acts on these (docs/autoscaling.md);
+    ``isbflow pipeline advise`` computes the desired replicas with them too.
     """
 
     disabled: StrictBool = False
@@ -73,11 +71,10 @@ class Scale(SpecModel):
 
 
 def scale_warning(scale: Scale | None) -> str | None:
-    """What ``isbflow validate`` says about a vertex's ``scale``: None when there is nothing to say
-    (no ``scale``, or ``disabled: true``)."""
-    if scale is None or scale.disabled:
+    """What ``isbflow validate`` says about a vertex's ``scale``: what the step's autoscaler does not
+    act on. None when there is nothing to say (no ``scale``, ``disabled: true``, or ``min`` of 1 or more)."""
+    if scale is None or scale.disabled or scale.min >= 1:
         return None
-    return ("scale is accepted but no autoscaler acts on it yet: the step runs with its partitions and "
-            "the Spark application's cores; 'isbflow pipeline advise -f SPEC' reports the replicas "
-            f"Numaflow's formula asks for (min {scale.min}, max {scale.max}) from what the steps measured. "
-            "Set scale.disabled: true to silence this")
+    return (f"scale.min 0 (scale to zero) is not acted on by the step's autoscaler: a running step keeps at least "
+            f"1 replica and scales between 1 and {scale.max}. Set scale.min: 1 (or scale.disabled: true) to "
+            "silence this")

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from isbflow.isb import frames, naming, provision
 from isbflow.isb import state as st
 from isbflow.isb.connect import connect
-from isbflow.ops.advise import advise, desired_replicas, hot, mean_rate
+from isbflow.ops.advise import advise, desired_replicas, hot, mean_rate  # the autoscaler's formula
 from isbflow.spec import load_specs
 from isbflow.spec.scale import Scale
 
@@ -80,10 +80,10 @@ def test_desired_replicas_follow_numaflows_formula():
     assert desired_replicas(True, s, 10.0, [600], 1, 1) == 3  # 600 / 10 / 20 s
     assert desired_replicas(True, s, 0.0, [0], 1, 1) == 0  # nothing pending, no rate: min
     assert desired_replicas(True, Scale(min=1, max=2), 1.0, [10_000], 1, 1) == 2  # bounded by max
-    # a buffer of 100 frames, 80 before onFull, 50% to keep free: 50 / (80 - pending)
-    assert desired_replicas(False, s, 5.0, [0, 55], 100, 80) == 2
-    assert desired_replicas(False, s, 5.0, [80], 100, 80) == 3  # full: 1 + replicasPerScaleUp
-    assert desired_replicas(False, s, 5.0, [1], 100, 80) == 1  # never more than what is pending
+    # one replica now, a buffer of 100 frames, 80 before onFull, 50% to keep free: 50 / (80 - pending)
+    assert desired_replicas(False, s, 5.0, [0, 55], 1, 80, 50) == 2
+    assert desired_replicas(False, s, 5.0, [80], 1, 80, 50) == 3  # full: 1 + replicasPerScaleUp
+    assert desired_replicas(False, s, 5.0, [1], 1, 80, 50) == 1  # never more than what is pending
 
 
 def test_mean_rate_averages_the_lookback_minutes_that_saw_rows():

@@ -360,7 +360,7 @@ def test_a_numaflow_example_pipeline_gets_located_correct_messages(tmp_path):
     got = problems(f)
     by = {p.path: p for p in got}
     assert {"vertices[0].source.generator", "vertices[1].udf.builtin", "vertices[2].sink.log"} <= set(by), got
-    assert "vertices[1].scale" not in by  # Numaflow's scale is read (validate warns: no autoscaler yet)
+    assert "vertices[1].scale" not in by  # Numaflow's scale is read (validate warns about min 0)
     assert all("not supported by isbflow" in p.message or p.message == "required field is missing" for p in got)
     # a sink names its kinds (delta, postgres) in the refusal of log: no second "missing" problem
     assert {p.path for p in got if p.message == "required field is missing"} == {"vertices[1].udf.transform"}
@@ -440,8 +440,9 @@ def test_a_bad_sink_failure_policy_is_located(tmp_path, policy, path, words):
 
 
 def test_scale_is_read_with_numaflows_defaults_and_warned_about_unless_disabled(tmp_path):
-    """Numaflow's scale fields are accepted with its defaults; as no autoscaler acts on them, the
-    loader warns (located), unless disabled: true; 'isbflow validate' prints the warning and exits 0."""
+    """Numaflow's scale fields are accepted with its defaults; min 0 (scale to zero) is not the step
+    autoscaler's to act on, so the loader warns (located), unless disabled: true or min is 1 or more;
+    'isbflow validate' prints the warning and exits 0."""
     text = PIPELINE.lstrip("-\n").replace("    - name: out\n", "    - name: out\n      scale:\n        max: 5\n"
                                                                    "        lookbackSeconds: 60\n")
     f = write(tmp_path, text)
@@ -452,13 +453,15 @@ def test_scale_is_read_with_numaflows_defaults_and_warned_about_unless_disabled(
             scale.replicasPerScaleUp, scale.replicasPerScaleDown, scale.disabled) == (0, 5, 60, 90, 90, 120, 20, 50, 2, 2,
                                                                                       False)
     [w] = specs.warnings
-    assert w.path == "vertices[1].scale" and "no autoscaler acts on it yet" in w.message and "advise" in w.message
+    assert w.path == "vertices[1].scale" and "scale.min 0" in w.message and "between 1 and 5" in w.message
     assert "scale:" in text.splitlines()[w.line - 1]
     out = subprocess.run([ISBFLOW, "validate", "-f", str(f)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stderr.startswith(f"warning: {f}: vertices[1].scale: scale is accepted"), out.stderr
+    assert out.stderr.startswith(f"warning: {f}: vertices[1].scale: scale.min 0 (scale to zero)"), out.stderr
     quiet = write(tmp_path, text.replace("        max: 5\n", "        disabled: true\n"), "quiet.yaml")
     assert load_specs(quiet).warnings == []
+    acted_on = write(tmp_path, text.replace("        max: 5\n", "        min: 1\n        max: 5\n"), "min1.yaml")
+    assert load_specs(acted_on).warnings == []
     bad = write(tmp_path, text.replace("        max: 5\n", "        targetBufferAvailability: 0\n"), "bad.yaml")
     [p] = problems(bad)
     assert p.path == "vertices[1].scale.targetBufferAvailability", str(p)
