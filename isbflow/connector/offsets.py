@@ -20,7 +20,8 @@ buffer loss (``onBufferLoss=replay``):
 
 :func:`batch_range` is the one rule turning a (start, end) pair into the
 sequences a batch reads; :func:`fair_share` splits a read limit across streams;
-:func:`task_size` how many messages of a batch one task reads.
+:func:`task_size` how many messages of a batch one task reads, :func:`replicas` the task slots its
+autoscaler gives a step now.
 """
 
 from __future__ import annotations
@@ -124,3 +125,16 @@ def task_size(counts: Sequence[int], most: int, min_tasks: int, least: int) -> i
         # the streams' counts round up each: keep the size only if it still makes those rounds
         return size if sum(math.ceil(n / size) for n in counts if n > 0) <= rounds * min_tasks else most
     return max(least, min(most, math.ceil(total / min_tasks)))
+
+
+def replicas(path: str | None) -> int:
+    """The replicas a step's autoscaler wrote to ``path`` (an integer; the reader plans a batch with at
+    least that many tasks); 1 when there is no such file or it holds no positive integer. One small
+    read per planned batch, on the driver."""
+    if not path:
+        return 1
+    try:
+        with open(path) as f:
+            return max(1, int(f.read().strip() or 1))
+    except (OSError, ValueError):
+        return 1

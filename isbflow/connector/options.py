@@ -118,6 +118,9 @@ class ReaderOptions:
     idle_wait: float = 0.0
     #: a file whose presence means "do not wait" (the runner creates it before stopping a step)
     no_wait_file: str | None = None
+    #: a file holding the step's replicas now (its autoscaler writes it): a batch is read by at least
+    #: that many tasks, as ``min_partitions`` (isbflow.steps.autoscale_apply)
+    replicas_file: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -150,6 +153,7 @@ class ReaderOptions:
             drain_vertex=(options.get("vertex") or None),
             idle_wait=_seconds(options, "idleWait"),
             no_wait_file=(str(options.get("noWaitFile") or "").strip() or None),
+            replicas_file=(str(options.get("replicasFile") or "").strip() or None),
         )
 
     def max_messages(self, max_rows: int) -> int:

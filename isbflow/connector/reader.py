@@ -36,6 +36,9 @@ Options (strings, see :class:`isbflow.connector.options.ReaderOptions`):
   on into the JVM, its Python read and the JVM's work already run side by side
   (events into Delta, 200K events in batches of 40K: 50.0K rec/s in one task a
   batch, 45.7K in two; one run each);
+- ``replicasFile``: a file holding the step's replicas now, an integer its autoscaler rewrites
+  (:mod:`isbflow.steps.autoscale_apply`): each batch is planned with at least that many tasks,
+  as with ``minPartitions`` (read when the batch is planned; missing or unreadable: 1);
 - ``idleWait`` (seconds, default 0): a streaming trigger that finds nothing new
   waits this long for a stream to grow and then reads at once (event-driven steps,
   :mod:`isbflow.isb.wait`; ``Limits`` streams only, never under availableNow or
@@ -225,7 +228,8 @@ class _RangeReader:
         ranges = [(index, s, end[s], *off.batch_range(start.get(s), end[s]))
                   for index, s in enumerate(self.opts.streams) if s in end]
         step = off.task_size([last - first + 1 for *_, first, last in ranges], self.opts.partition_msgs,
-                         self.opts.min_partitions, MIN_SPLIT_MSGS[self.opts.mode])
+                             max(self.opts.min_partitions, off.replicas(self.opts.replicas_file)),
+                             MIN_SPLIT_MSGS[self.opts.mode])
         return [JetStreamPartition(s, index, e.inc, lo, min(lo + step - 1, last))
                 for index, s, e, first, last in ranges for lo in range(first, last + 1, step)]
 
