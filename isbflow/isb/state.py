@@ -77,6 +77,9 @@ class StepStatus:
     final_offsets: dict[str, Any] | None = None
     app: str | None = None  # Spark application id / launch id
     pid: int | None = None
+    #: the step's autoscaler (isbflow.steps.autoscale): its last decision (pending, rate, current,
+    #: desired, target, bounds, cooldown) and the application's executors; None without ``scale``
+    replicas: dict[str, Any] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
