@@ -256,5 +256,6 @@ def advise(
 
 
 def register(root: typer.Typer) -> None:
+    import isbflow.cli.rescale  # noqa: F401  # lazy: a cycle: it adds 'pipeline rescale' to this module's app
     root.add_typer(app, name="pipeline")
     root.add_typer(step_app, name="step")

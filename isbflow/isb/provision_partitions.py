@@ -1,0 +1,112 @@
+"""A vertex's input buffers as the ISB service holds them, partition by partition.
+
+A vertex with ``partitions: N`` reads one stream per partition of each of its in edges
+(:func:`isbflow.isb.naming.edge_partitions`). The server may hold another number of them:
+the spec changed and was not applied yet, or applied by ``isb apply``, which creates the
+partitions a larger number adds and never removes any. A rescale
+(:mod:`isbflow.ops.rescale`) reads what the server holds here before it changes the number,
+and removes the partitions a smaller number leaves behind.
+
+- :func:`held_partitions`: every stream the server holds for the buffers into a vertex, with
+  its message count, last sequence and **unread** count, judged as provisioning
+  judges it (:func:`isbflow.isb.provision_plan.holding`): every message of a WorkQueue or
+  Interest buffer (isbflow purges what was committed downstream), the messages above the
+  sequence the reading vertex committed for a Limits one (every message when none is
+  recorded);
+- :func:`remove_partitions`: delete streams and the committed sequences the status bucket
+  keeps for them, so a partition created again later under the same name starts with no
+  record of the old one. It deletes what it is given: checking that nothing unread goes is
+  the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+
+from isbflow.isb import naming
+from isbflow.isb.provision_plan import holding
+from isbflow.isb.provision_resources import Resource
+from isbflow.isb.state import committed_key
+from isbflow.spec import derived
+from isbflow.spec.fields import MAX_PARTITIONS
+
+if TYPE_CHECKING:
+    import nats.aio.client
+
+    from isbflow.spec.models import Pipeline
+
+
+@dataclass(frozen=True)
+class HeldPartition:
+    """One stream of a buffer into a vertex, as the server holds it now."""
+
+    stream: str
+    from_vertex: str
+    to_vertex: str
+    partition: int
+    messages: int
+    unread: int
+    last_seq: int
+
+    @property
+    def edge(self) -> str:
+        return f"{self.from_vertex}->{self.to_vertex}"
+
+    def to_json(self) -> dict:
+        return {"stream": self.stream, "edge": self.edge, "partition": self.partition,
+                "messages": self.messages, "unread": self.unread, "last_seq": self.last_seq}
+
+
+async def _names(nc: nats.aio.client.Client, subject: str) -> list[str]:
+    """The streams whose subjects take ``subject`` (a wildcard), as the server lists them."""
+    reply = await nc.request("$JS.API.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=10)
+    return json.loads(reply.data).get("streams") or []
+
+
+async def held_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str) -> list[HeldPartition]:
+    """Every partition stream the server holds for the buffers into ``vertex``, edge by edge in the
+    spec's order, partitions in order (see the module docstring for *unread*)."""
+    js = nc.jetstream()
+    out: list[HeldPartition] = []
+    for e in p.inputs(vertex):
+        known = {derived.edge_stream(p.name, e.from_, vertex, i): i for i in range(MAX_PARTITIONS)}
+        wildcard = derived.edge_subject(p.name, e.from_, vertex, 0).rsplit(".", 1)[0] + ".*"
+        names = sorted((n for n in await _names(nc, wildcard) if n in known), key=known.__getitem__)
+        for name in names:
+            try:
+                info = await js.stream_info(name)
+            except NotFoundError:  # removed meanwhile
+                continue
+            reader = Resource(name, "stream", {}, {"isbflow.pipeline": p.name}, reader=vertex)
+            held = await holding(js, reader, info, need_age=False)
+            out.append(HeldPartition(name, e.from_, vertex, known[name], held.messages, held.unread,
+                                     info.state.last_seq))
+    return out
+
+
+async def remove_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str, streams: list[str]) -> list[str]:
+    """Delete ``streams`` (partitions of buffers into ``vertex``) and their committed sequences in the
+    status bucket; the names deleted (a stream already gone is skipped)."""
+    js = nc.jetstream()
+    try:
+        kv = await js.key_value(naming.status_bucket(p.name))
+    except NatsError:
+        kv = None
+    deleted = []
+    for s in streams:
+        try:
+            await js.delete_stream(s)
+            deleted.append(s)
+        except NotFoundError:
+            pass
+        if kv is not None:
+            try:
+                await kv.purge(committed_key(vertex, s))
+            except NatsError:
+                pass
+    return deleted
