@@ -1,0 +1,159 @@
+"""The roles a buffer store plays, as interfaces every store implements in its own package.
+
+An inter-step buffer (ISB) partition is an append-only log of *frames* (Arrow IPC batches,
+:mod:`isbflow.isb.frames`) between two steps. A store keeps those logs: JetStream (a partition is
+a stream, offsets are sequences) or Redis Streams (:mod:`isbflow.isb.redis`: a partition is a
+stream key, offsets are entry ids). The layers above talk to the roles below, never to a store's
+client, so adding a store touches no caller; a store imports no other store.
+
+Delivery guarantee, whatever the store: a frame written under a frame id
+(:func:`isbflow.isb.frames.frame_id`) is stored **once** however often it is written again before
+its release (a retried task, a re-executed Spark batch, a fresh writer after a crash between the
+write and the upstream commit); reads never remove anything, so reading a range twice returns the
+same frames; space is released only after the *downstream* commit; and a buffer that lost frames
+its reader had not yet read says so (:class:`LossDetector`) instead of looking empty. Together
+with replay from the source's offsets that makes the pipeline's output exactly once.
+
+Offsets are opaque to callers: each store has its own type (an ``int`` sequence, a Redis entry
+id), totally ordered as the store orders its log. A caller compares, stores and hands back
+offsets it got from the same store and never does arithmetic on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+#: a store's offset type: totally ordered like the store's log
+Offset = TypeVar("Offset")
+
+
+class BufferFull(Exception):
+    """A write the buffer refused because it holds its capacity of frames not yet released.
+
+    The caller retries later (``onFull=retryUntilSuccess``: back-pressure) or drops and counts the
+    frame (``discardLatest``). ``written`` frames of the refused call were stored before the
+    refusal, in order; none after it was."""
+
+    def __init__(self, stream: str, capacity: int, written: int = 0):
+        super().__init__(stream, capacity, written)
+        self.stream, self.capacity, self.written = stream, capacity, written
+
+    def __str__(self) -> str:
+        return (f"buffer {self.stream} is full: it holds {self.capacity} frames not yet committed downstream "
+                f"({self.written} frames of this write were stored); write the rest again once the downstream "
+                "step commits and releases them")
+
+
+@dataclass(frozen=True)
+class OutFrame:
+    """A frame to write: its id (stable across retries), its bytes and its record count."""
+
+    frame_id: str
+    payload: bytes
+    rows: int
+
+
+@dataclass(frozen=True)
+class Written(Generic[Offset]):
+    """The outcome of one frame's write: where it is stored, or that an earlier write stored it."""
+
+    frame_id: str
+    #: the frame's offset; None for a duplicate when the store does not say where the first one is
+    offset: Offset | None
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class StoredFrame(Generic[Offset]):
+    """A frame as read back: its offset, id, bytes and record count."""
+
+    offset: Offset
+    frame_id: str
+    payload: bytes
+    rows: int
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """Which life of a buffer this is: a new id whenever the buffer is created again (recreated,
+    flushed, restarted without persistence), and when that was (seconds since the epoch)."""
+
+    id: str
+    created: float
+
+
+@dataclass(frozen=True)
+class ReaderPosition(Generic[Offset]):
+    """What a reader has seen of a buffer: the incarnation and the last offset it read."""
+
+    incarnation: str
+    read_to: Offset | None
+
+
+@dataclass(frozen=True)
+class Loss(Generic[Offset]):
+    """A buffer found to have lost frames its reader had not read: why, and the lost offsets
+    (``first``/``last`` None when the store cannot say)."""
+
+    stream: str
+    reason: str
+    first: Offset | None = None
+    last: Offset | None = None
+
+
+class BufferWriter(Protocol[Offset]):
+    """Writes frames into one buffer partition, idempotently."""
+
+    stream: str
+
+    async def write(self, frames: Sequence[OutFrame]) -> list[Written[Offset]]:
+        """Append ``frames`` in order; a frame id the buffer already holds (or released within the
+        store's dedup window) is reported ``duplicate`` and appended nothing. Raises
+        :class:`BufferFull` at capacity, having stored the frames before the refused one (its
+        ``written``) and none after it, so a retry of the rest keeps the order. Any other error
+        leaves an unknown prefix stored: writing the same frames again is always safe."""
+        ...
+
+
+class BufferReader(Protocol[Offset]):
+    """Reads ranges of one buffer partition without removing anything."""
+
+    stream: str
+
+    async def read(self, after: Offset | None, upto: Offset | None, limit: int,
+                   incarnation: str | None = None) -> list[StoredFrame[Offset]]:
+        """At most ``limit`` frames with ``after < offset <= upto`` (``None``: from the first, to the
+        last), in offset order. The same range read twice gives the same frames. With
+        ``incarnation``, raises :class:`isbflow.isb.errors.BufferLost` when the buffer is no longer
+        that incarnation (its frames are another life's)."""
+        ...
+
+
+class LossDetector(Protocol[Offset]):
+    """Tells buffer loss from an empty buffer."""
+
+    stream: str
+
+    async def incarnation(self) -> Incarnation | None:
+        """The buffer's current incarnation; None when it has none (never created, or wiped)."""
+        ...
+
+    async def check(self, seen: ReaderPosition[Offset]) -> Loss[Offset] | None:
+        """The loss a reader at ``seen`` suffered, or None: the incarnation is gone or changed,
+        frames it had not read were removed without a release, or the buffer holds less than it
+        already read (a failover to a replica behind its master)."""
+        ...
+
+
+class BufferReleaser(Protocol[Offset]):
+    """Frees a buffer's space once the downstream commit covers it."""
+
+    stream: str
+
+    async def release(self, upto: Offset, incarnation: str | None = None) -> int:
+        """Remove the frames with offset ``<= upto`` (called only after the downstream commit that
+        covers them; never by the reader); how many were removed. Idempotent. With
+        ``incarnation``, removes nothing when the buffer has since become another incarnation."""
+        ...
