@@ -1,0 +1,91 @@
+"""Who may do what on the Redis store: one ACL user per role, each with the least it needs.
+
+The users mirror the NATS roles of :mod:`isbflow.isb.roles`, from the same grants
+(:class:`isbflow.isb.roles.PipelineGrant`):
+
+=================  ==============================================================
+user               may
+=================  ==============================================================
+``default``        everything (the admin, ``requirepass``: provisioning, recovery, the platform)
+``producer``       write frames into the granted pipelines' source streams (the write script
+                   and the commands it runs); read nothing
+``pipeline-<p>``   what pipeline ``p``'s drivers need on ``p``'s own streams only (its edge
+                   partitions, source streams and dead letters): write, read ranges, release,
+                   check for loss; nothing of another pipeline
+=================  ==============================================================
+
+A user's keys are listed one by one (``~isbflow:{<stream>}`` and its ``:ids`` and ``:inc``,
+:mod:`isbflow.isb.redis.keys`), never a prefix pattern: pipeline names may contain ``-``, so
+``isb-a-*`` would also match pipeline ``a-b``'s streams. No role but the admin has ``FLUSHALL``,
+``CONFIG``, ``KEYS``, ``ACL``, ``SCRIPT`` or ``DEBUG``. Redis checks every command a script runs
+against the caller's ACL, so ``EVAL`` grants nothing beyond the commands listed here.
+
+Passwords are generated into owner-only files, ``<data dir>/redis/<user>.password``, as the NATS
+roles' are; ``users.conf`` (included by the server's config) holds the users with their
+passwords' SHA-256 only, so they survive a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from isbflow.isb import roles
+from isbflow.isb.redis.keys import BufferKeys
+from isbflow.isb.redis.server import USERS_FILE, redis_dir, secret, write_private
+
+ADMIN = "default"
+PRODUCER = roles.PRODUCER
+pipeline_user = roles.pipeline_user
+
+#: what the write script (:data:`isbflow.isb.redis.scripts.WRITE`) runs, and how it is called
+WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hset", "xlen", "xadd", "zscore", "zadd")
+#: a pipeline's drivers: writing, the read, release, state and create scripts
+PIPELINE_COMMANDS = (*WRITE_COMMANDS, "hget", "hgetall", "hincrby", "xrange", "xtrim", "xinfo|stream",
+                     "zremrangebyscore", "zcard")
+
+
+def password_file(data_dir: Path | str, user: str) -> Path:
+    """Where a role user's password is kept (owner-only); the admin's is the server's ``password``."""
+    return redis_dir(data_dir) / ("password" if user == ADMIN else f"{user}.password")
+
+
+def _glob_escaped(key: str) -> str:
+    """``key`` as an ACL key pattern matching itself only."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", key)
+
+
+def key_patterns(streams: Iterable[str]) -> list[str]:
+    """The ``~`` rules granting exactly the keys of ``streams``."""
+    return [f"~{_glob_escaped(k)}" for s in dict.fromkeys(streams) for k in BufferKeys(s).all]
+
+
+def role_grants(grants: Sequence[roles.PipelineGrant]) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """Every role user: (its streams, its commands)."""
+    out = {PRODUCER: ([s for g in grants for s in g.sources], WRITE_COMMANDS)}
+    for g in grants:
+        out[pipeline_user(g.pipeline)] = ([*g.buffers, *g.sources, g.dlq], PIPELINE_COMMANDS)
+    return out
+
+
+def user_rules(password: str, streams: Iterable[str], commands: Iterable[str]) -> list[str]:
+    """The ACL rules of one role user: only its password, keys and commands, no channels."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return ["reset", "on", f"#{digest}", *key_patterns(streams), "resetchannels", "-@all",
+            *(f"+{c}" for c in commands)]
+
+
+async def apply_users(client: Any, data_dir: Path | str, grants: Sequence[roles.PipelineGrant]) -> list[str]:
+    """Give each role user of ``grants`` its rules on the running server (``ACL SETUSER``, through
+    the admin's ``client``) and in ``users.conf`` for the next start; the users. A user granted
+    again gets the rules of its current grants."""
+    lines = []
+    for user, (streams, commands) in role_grants(grants).items():
+        rules = user_rules(secret(password_file(data_dir, user)), streams, commands)
+        await client.execute_command("ACL", "SETUSER", user, *rules)
+        lines.append(" ".join(["user", user, *rules]))
+    write_private(redis_dir(data_dir) / USERS_FILE, "\n".join(lines) + "\n")
+    return [line.split()[1] for line in lines]
