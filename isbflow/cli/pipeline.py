@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from isbflow.cli import zero
 from isbflow.cli.common import (
     DataDir,
     JsonOut,
@@ -259,3 +260,4 @@ def register(root: typer.Typer) -> None:
     import isbflow.cli.rescale  # noqa: F401  # lazy: a cycle: it adds 'pipeline rescale' to this module's app
     root.add_typer(app, name="pipeline")
     root.add_typer(step_app, name="step")
+    zero.register(app)
