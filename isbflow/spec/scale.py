@@ -76,5 +76,5 @@ def scale_warning(scale: Scale | None) -> str | None:
     if scale is None or scale.disabled or scale.min >= 1:
         return None
     return (f"scale.min 0 (scale to zero) is not acted on by the step's autoscaler: a running step keeps at least "
-            f"1 replica and scales between 1 and {scale.max}. Set scale.min: 1 (or scale.disabled: true) to "
-            "silence this")
+            f"1 replica and scales between 1 and {scale.max}; only a scale-to-zero watcher stops an idle pipeline's "
+            "driver. Set scale.min: 1 (or scale.disabled: true) to silence this")

@@ -166,11 +166,12 @@ class VertexScaler:
         self.current = bounds(scale)[0]
         self.changed_at = now
         self.last: Decision | None = None
-        self.ups = self.downs = 0
+        self.ups = self.downs = self.looks = 0
 
     def look(self, now: float, rows_total: int, pending: list[int]) -> Decision:
         """Add a sample and decide; a change becomes the current replicas at once."""
         self.window.add(now, rows_total, pending)
+        self.looks += 1
         d = decide(self.vertex, self.scale, self.source, self.window.pending(), self.window.rate(), self.current,
                    now - self.changed_at, self.limit, self.available, now)
         if d.target != self.current:

@@ -46,7 +46,14 @@ reports per query). Series (labels ``pipeline``, ``step`` and as noted):
   sink's failure policy (:mod:`isbflow.steps.sink_policy`): failed attempts to write a
   batch, records sent to its fallback, records dropped by ``onFailure: drop``, records
   it refused one by one (to the fallback or the dead letters);
-- ``isbflow_step_state`` (``state``): 1 for the step's current state, 0 for the others.
+- ``isbflow_step_state`` (``state``): 1 for the step's current state, 0 for the others;
+- a step with ``scale`` (its autoscaler, :mod:`isbflow.steps.autoscale_apply`):
+  ``isbflow_vertex_current_replicas`` and ``isbflow_vertex_desired_replicas`` (the last decision's
+  replicas and what Numaflow's formula asked for within ``min``..``max``),
+  ``isbflow_vertex_scale_decisions_total`` (``direction``: ``up``, ``down``, ``none``: the
+  autoscaler's looks at the step, by what they did) and, on a cluster master,
+  ``isbflow_application_executors`` (``kind``: ``target``, what the application asks the
+  cluster manager for; ``live``, the executors registered now).
 
 Each runner has its own :class:`~prometheus_client.CollectorRegistry` (no
 process-wide state; two runners in one process do not collide).
@@ -126,6 +133,14 @@ class PipelineMetrics:
                                     "(to the fallback, or the dead letters)", STEP, registry=r)
         self.state = Gauge("isbflow_step_state", "1 for the step's current state, 0 for the others",
                            [*STEP, "state"], registry=r)
+        self.current_replicas = Gauge("isbflow_vertex_current_replicas", "The step's replicas now (task slots "
+                                      "per micro-batch; executors on a cluster master)", STEP, registry=r)
+        self.desired_replicas = Gauge("isbflow_vertex_desired_replicas", "The replicas the autoscaler's last "
+                                      "decision asked for, within min..max", STEP, registry=r)
+        self.scale_decisions = Counter("isbflow_vertex_scale_decisions", "The autoscaler's looks at the step, by "
+                                       "what they did (up, down, none)", [*STEP, "direction"], registry=r)
+        self.executors = Gauge("isbflow_application_executors", "Executors of the Spark application on a cluster "
+                               "master (kind: target asked for, live registered)", ["pipeline", "kind"], registry=r)
         self._seen: dict[tuple[str, str | None], str] = {}  # (step, to) -> timestamp of the last progress
         self._totals: dict[tuple[str, str], int] = {}  # (step, counter) -> the status total counted so far
 
@@ -179,6 +194,21 @@ class PipelineMetrics:
             self.buffer_limit.labels(**labels, stream=ep.stream).set(limits.bufferUsageLimit or 0.0)
         for state in Observed:
             self.state.labels(**labels, state=state.value).set(1.0 if status.state == state else 0.0)
+        if status.replicas:
+            self._observe_replicas(labels, status.replicas)
+
+    def _observe_replicas(self, labels: dict, r: dict) -> None:
+        """The autoscaler's last decision of a step (``StepStatus.replicas``)."""
+        self.current_replicas.labels(**labels).set(r.get("target") or 0)
+        self.desired_replicas.labels(**labels).set(r.get("desired") or 0)
+        ups, downs = int(r.get("ups") or 0), int(r.get("downs") or 0)
+        for direction, total in (("up", ups), ("down", downs), ("none", int(r.get("looks") or 0) - ups - downs)):
+            self.scale_decisions.labels(**labels, direction=direction)
+            self._count_up(self.scale_decisions, {**labels, "direction": direction}, f"scale_{direction}", total)
+        executors = r.get("executors") or {}
+        for kind in ("target", "live"):
+            if executors.get(kind) is not None:
+                self.executors.labels(pipeline=labels["pipeline"], kind=kind).set(executors[kind])
 
     def _count_up(self, counter: Counter, labels: dict, name: str, total: int | None) -> None:
         """Add what a running total of the step's status gained since the last observation (a

@@ -88,6 +88,7 @@ from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
 from isbflow.steps import routing, sink_policy, write_through
+from isbflow.steps.autoscale_apply import Autoscaler, await_query
 from isbflow.steps.checkpoints import fan_out_start
 from isbflow.steps.delta_sink import delta_option_map, delta_writer, writes_through
 from isbflow.steps.driver import interval_s
@@ -208,6 +209,7 @@ class PipelineRunner:
         self.metrics: Any = None  # isbflow.steps.metrics.PipelineMetrics when served (--metrics-port)
         #: the fewest tasks a large batch of a written-through sink is read in (``minPartitions``)
         self.task_slots = max(1, int(spark.sparkContext.defaultParallelism))
+        self.autoscaler = Autoscaler(self)  # acts on each vertex's scale (isbflow.steps.autoscale_apply)
 
     # ------------------------------------------------------------------ planning
     @property
@@ -376,7 +378,8 @@ class PipelineRunner:
              .option("streams", ",".join(self.input_streams(vertex)))
              .option("readMaxRows", str(rows))
              .option("onBufferLoss", v.onBufferLoss.value)
-             .option("pipeline", self.p.name).option("vertex", vertex))
+             .option("pipeline", self.p.name).option("vertex", vertex)
+             .options(**self.autoscaler.reader_options(vertex)))
         if vertex in self.starting_offsets:
             r = r.option("startingOffsets", json.dumps(self.starting_offsets[vertex]))
         if not available_now and self.event_driven:
@@ -424,6 +427,7 @@ class PipelineRunner:
         w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=self.trigger_interval(v))
         # its shuffles and state in the vertex's partitions, at every start (QueryStarter)
         starter = QueryStarter(self.spark, w, v.partitions)
+        self.autoscaler.start(vertex, carry=available_now)
         run.queries.append(RunningQuery(vertex, to, starter.start(), inputs, edges=edges, writer=starter,
                                         checkpoint=checkpoint))
         run.status = st.StepStatus(vertex, state=st.Observed.RUNNING, app=self.spark.sparkContext.applicationId,
@@ -546,6 +550,7 @@ class PipelineRunner:
     def _heartbeat(self, run: StepRun) -> None:
         assert run.status is not None
         self._refresh_references(run.vertex)
+        self.autoscaler.look(run)
         self.nats.run(st.put_status(self.nats.nc, self.p.name, run.status))
         if self.metrics is not None:
             self.metrics.observe(self, run)
@@ -606,7 +611,7 @@ class PipelineRunner:
             for rq in run.queries:
                 while True:
                     try:
-                        rq.query.awaitTermination()
+                        await_query(self, run, rq, heartbeat_interval_s(self.p, self.processing_time))
                         break
                     except Exception as e:  # noqa: BLE001 - StreamingQueryException; reported below
                         if not self._restart_if_transient(run, rq, e):
