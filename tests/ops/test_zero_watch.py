@@ -23,9 +23,11 @@ import pytest
 from isbflow.isb import provision
 from isbflow.isb.connect import session
 from isbflow.isb.state import Desired, set_desired
+from isbflow.local.procs import process_alive
 from isbflow.ops import pipeline as ops
 from isbflow.ops import zero, zero_policy
 from isbflow.ops.produce import produce
+from isbflow.ops.zero_launch import launch_watcher, stop_watcher
 from isbflow.spec import load_specs
 from isbflow.steps import launch as L
 
@@ -149,3 +151,30 @@ def test_one_watcher_per_pipeline(run):
     run.wait("asleep")
     with pytest.raises(zero.WatcherBusy, match=rf"already has a scale-to-zero watcher \(pid {os.getpid()}, asleep\)"):
         zero.watch(SPEC, run.specs, run.p, run.settings, run.data_dir, stop=threading.Event())
+
+
+def test_a_detached_watcher_is_recorded_reused_and_stopped_by_pid(nats_server):
+    """The watcher as a face other than the CLI starts it (the ``pipeline_scale_to_zero`` DAG):
+    a real ``isbflow pipeline scale-to-zero`` process, detached, its settings in its environment."""
+    settings, data_dir = nats_server.settings, nats_server.data_dir
+    specs = load_specs([SPEC])
+    p = specs.only_pipeline()
+    asyncio.run(provision.apply(settings, specs))
+    first = launch_watcher(SPEC, p, settings, data_dir)
+    try:
+        assert not first.reused and process_alive(first.pid, first.proc_start)
+        again = launch_watcher(SPEC, p, settings, data_dir)
+        assert again.reused and again.pid == first.pid
+        deadline = time.monotonic() + 60
+        while (zero.watcher_record(data_dir, "zero") or {}).get("state") != "asleep":
+            assert time.monotonic() < deadline, Path(first.log).read_text()
+            time.sleep(0.2)
+        cmdline = Path(f"/proc/{first.pid}/cmdline").read_bytes().decode()
+        assert nats_server.state.password not in cmdline  # the settings travel in its environment
+        assert stop_watcher(data_dir, "zero", grace=20) == first.pid
+        assert not process_alive(first.pid, first.proc_start)
+        assert "the watcher stopped; the pipeline stays drained" in Path(first.log).read_text()
+        assert {s.state for s in ops.status(settings, p).statuses.values()} == {"drained"}
+        assert stop_watcher(data_dir, "zero") is None
+    finally:
+        L.stop_process(first.pid, first.proc_start, grace=5)
