@@ -18,7 +18,8 @@ from isbflow.isb.read import stream_state
 from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec.models import Pipeline
 
-__all__ = ["LIVE_STATES", "NotProvisioned", "PipelineState", "Observed", "StepStatus", "naming", "read"]
+__all__ = ["LIVE_STATES", "NotProvisioned", "PipelineState", "Observed", "StepStatus", "naming", "read",
+           "replicas_line"]
 
 Observed = st.Observed
 StepStatus = st.StepStatus
@@ -37,6 +38,24 @@ class PipelineState:
     dlq_messages: int | None = None
     recovery: str | None = None
     recovery_state: str | None = None
+
+
+def replicas_line(vertex: str, status: StepStatus | None) -> str | None:
+    """A step's autoscaler in one line (its heartbeat's ``replicas``: the last decision), or None for a
+    step without ``scale``: ``in: replicas 2, desired 2 (1..2; backlog: pending [96000], 41,000.0 rows/s);
+    executors 2 of 2``."""
+    r = status.replicas if status is not None else None
+    if not r:
+        return None
+    line = (f"{vertex}: replicas {r.get('target')}, desired {r.get('desired')} ({r.get('min')}..{r.get('max')}; "
+            f"{r.get('why')}: pending {r.get('pending')}, {float(r.get('rate') or 0):,.1f} rows/s")
+    if r.get("cooldown_left_s"):
+        line += f", {float(r['cooldown_left_s']):.0f}s of cooldown left"
+    line += ")"
+    executors = r.get("executors")
+    if executors:
+        line += f"; executors {executors.get('live') if executors.get('live') is not None else '?'} of {executors.get('target')}"
+    return line
 
 
 async def read(nc: Any, p: Pipeline) -> PipelineState:

@@ -31,7 +31,7 @@ from isbflow.airflow.ui.models import (
 from isbflow.ops import quality as reports
 from isbflow.ops import status
 from isbflow.ops.advise import advise
-from isbflow.ops.status import LIVE_STATES, StepStatus, naming
+from isbflow.ops.status import LIVE_STATES, StepStatus, naming, replicas_line
 from isbflow.spec import SpecError, load_specs
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir
@@ -94,6 +94,9 @@ def step_view(p: Pipeline, vertex: str, status: StepStatus | None, desired: str 
     view.lag = dict(status.lag)
     view.lag_total = sum(status.lag.values())
     view.error = status.error
+    if status.replicas:
+        view.current_replicas, view.desired_replicas = status.replicas.get("target"), status.replicas.get("desired")
+        view.replicas_line = replicas_line(vertex, status)
     return view
 
 

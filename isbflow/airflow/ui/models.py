@@ -43,6 +43,11 @@ class StepView(BaseModel):
     sink_error: str | None = None
     lag: dict[str, int] = Field(default_factory=dict)  # input stream -> messages behind
     lag_total: int = 0
+    # a step with scale: its autoscaler's replicas now and what its last decision asked for (within
+    # min..max), and that decision in words (isbflow.ops.status.replicas_line); None without scale
+    current_replicas: int | None = None
+    desired_replicas: int | None = None
+    replicas_line: str | None = None
     error: str | None = None
     rates: list[RatePoint] = Field(default_factory=list)
 
@@ -69,7 +74,7 @@ class StepAdviceView(BaseModel):
     pending: int
     pending_unit: str  # events (a source stream) | frames (an edge)
     utilization: float | None = None  # last batch time over the latency budget
-    desired_replicas: int | None = None  # Numaflow's formula, in units of the step's parallelism now
+    desired_replicas: int | None = None  # Numaflow's formula, in units of the step's parallelism now (advice)
     advice: list[str] = Field(default_factory=list)
 
 
