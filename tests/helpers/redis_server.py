@@ -42,11 +42,10 @@ class RedisHandle:
 
     def restart(self, persistence: str | None = None) -> server.RedisServerState:
         """Stop the server (SIGTERM: it writes its append-only file first) and start it again on
-        the same data dir and port."""
-        port = self.state.port
+        the same data dir (and, when still free, port)."""
         server.stop_redis(self.data_dir)
         self.persistence = persistence or self.persistence
-        return server.start_redis(self.data_dir, port=port, persistence=self.persistence)
+        return server.start_redis(self.data_dir, persistence=self.persistence)
 
 
 @contextmanager

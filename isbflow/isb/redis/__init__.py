@@ -10,8 +10,10 @@ Every partition has an incarnation key, so a flushed, restarted-without-persiste
 failed-over server reads as buffer loss, never as an empty buffer.
 
 The modules: :mod:`~isbflow.isb.redis.keys` (key names, entry ids),
+:mod:`~isbflow.isb.redis.scripts` (the Lua scripts and how they are called),
 :mod:`~isbflow.isb.redis.buffers` (the roles of :mod:`isbflow.isb.store`),
 :mod:`~isbflow.isb.redis.loss` (loss judged from a buffer's state),
 :mod:`~isbflow.isb.redis.acl` (one ACL user per role), :mod:`~isbflow.isb.redis.server`
-(an embedded redis-server). This package imports no other store.
+(an embedded redis-server), :mod:`~isbflow.isb.redis.client` (a client for a role).
+This package imports no other store.
 """

@@ -6,9 +6,11 @@
 - ``requirepass`` with a generated password kept in ``<data dir>/redis/password`` (owner-only,
   kept across restarts): the admin. The role users of :mod:`isbflow.isb.redis.acl` come from
   ``users.conf`` beside it (included by the config), so they survive a restart too;
-- ``appendonly yes`` (``appendfsync everysec``) by default, so a restart keeps the buffers; with
-  ``persistence="none"`` nothing is written to disk and a restart starts empty (every buffer is
-  then reported lost, :mod:`isbflow.isb.redis.loss`);
+- ``appendonly yes`` by default, so a restart keeps the buffers: ``fsync="everysec"`` (Redis's
+  default: a crash of the machine may lose the last second of writes) or ``"always"`` (every
+  write on disk before it is answered; slower); with ``persistence="none"`` nothing is written to
+  disk and a restart starts empty (every buffer is then reported lost,
+  :mod:`isbflow.isb.redis.loss`);
 - ``maxmemory-policy noeviction``: a full server refuses writes instead of evicting buffers.
 
 The PID (and the process's start time) are recorded in ``state.json``; :func:`stop_redis` signals
@@ -42,7 +44,10 @@ CONFIG_FILE = "redis.conf"
 #: the role users' ``user`` directives (:mod:`isbflow.isb.redis.acl`), included by the config
 USERS_FILE = "users.conf"
 PASSWORD_FILE = "password"
+#: the port of the last start, used again when free (clients keep their address across a restart)
+PORT_FILE = "port"
 PERSISTENCE = ("aof", "none")
+FSYNC = ("everysec", "always")
 #: where Debian's package puts the binary (looked at when PATH has none)
 DEBIAN_PATHS = ("/usr/bin/redis-server", "/usr/sbin/redis-server")
 INSTALL_HINT = "install it with scripts/ensure-redis (or: apt-get install redis-server)"
@@ -131,9 +136,9 @@ def read_state(data_dir: Path | str) -> RedisServerState | None:
                                  "names and remove it") from None
 
 
-def server_config(rdir: Path, port: int, password: str, persistence: str) -> str:
+def server_config(rdir: Path, port: int, password: str, persistence: str, fsync: str = "everysec") -> str:
     """The redis-server config for ``rdir`` (module doc)."""
-    durable = ["appendonly yes", "appendfsync everysec", 'appenddirname "appendonly"']
+    durable = ["appendonly yes", f"appendfsync {fsync}", 'appenddirname "appendonly"']
     lines = [
         f"bind {HOST}", "protected-mode yes", f"port {port}", f'dir "{rdir}"', 'logfile "redis.log"',
         "daemonize no", f"requirepass {password}", "maxmemory-policy noeviction", 'save ""',
@@ -144,11 +149,14 @@ def server_config(rdir: Path, port: int, password: str, persistence: str) -> str
 
 
 def start_redis(data_dir: Path | str, port: int | None = None, persistence: str = "aof",
-                timeout: float = 30.0) -> RedisServerState:
-    """Start redis-server for ``data_dir`` (module doc), or return the one already running there.
+                timeout: float = 30.0, fsync: str = "everysec") -> RedisServerState:
+    """Start redis-server for ``data_dir`` (module doc), or return the one already running there;
+    on the port given, else on the last start's when free, else on a free one.
     Raises :class:`EmbeddedRedisError` saying what failed and where the log is."""
     if persistence not in PERSISTENCE:
         raise EmbeddedRedisError(f"persistence {persistence!r}: use {' or '.join(PERSISTENCE)}")
+    if fsync not in FSYNC:
+        raise EmbeddedRedisError(f"fsync {fsync!r}: use {' or '.join(FSYNC)}")
     existing = read_state(data_dir)
     if existing is not None and existing.alive():
         if existing.persistence != persistence or (port is not None and existing.port != port):
@@ -162,9 +170,10 @@ def start_redis(data_dir: Path | str, port: int | None = None, persistence: str 
     users = rdir / USERS_FILE
     if not users.exists():
         write_private(users, "")
-    port = port or (existing.port if existing is not None and _port_free(existing.port) else free_port())
+    port = port or _last_port(rdir) or free_port()
+    write_private(rdir / PORT_FILE, str(port))
     conf = rdir / CONFIG_FILE
-    write_private(conf, server_config(rdir, port, password, persistence))
+    write_private(conf, server_config(rdir, port, password, persistence, fsync))
     out = rdir / "redis.out"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "ab") as logf:
@@ -194,6 +203,14 @@ def start_redis(data_dir: Path | str, port: int | None = None, persistence: str 
             time.sleep(0.05)
     finally:
         client.close()
+
+
+def _last_port(rdir: Path) -> int | None:
+    try:
+        port = int((rdir / PORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return port if _port_free(port) else None
 
 
 def _port_free(port: int) -> bool:

@@ -55,6 +55,7 @@ def test_stop_ends_the_recorded_process_and_keeps_the_data():
         assert any((server.redis_dir(r.data_dir) / "appendonly").iterdir())
         again = server.start_redis(r.data_dir, persistence="aof")
         assert again.pid != st.pid and again.alive()
+        assert again.port == st.port  # the last port, still free: clients keep their address
 
 
 def test_starting_twice_returns_the_running_server_and_refuses_another_persistence():
@@ -74,6 +75,14 @@ def test_a_missing_binary_names_how_to_install_it(monkeypatch, tmp_path):
     assert server.read_state(tmp_path) is None
 
 
-def test_an_unknown_persistence_is_refused(tmp_path):
+def test_an_unknown_persistence_or_fsync_is_refused(tmp_path):
     with pytest.raises(server.EmbeddedRedisError, match="aof or none"):
         server.start_redis(tmp_path, persistence="rdb")
+    with pytest.raises(server.EmbeddedRedisError, match="everysec or always"):
+        server.start_redis(tmp_path, fsync="no")
+
+
+def test_fsync_always_is_written_into_the_config(tmp_path):
+    conf = server.server_config(tmp_path, 6380, "pw", "aof", "always")
+    assert "appendonly yes" in conf and "appendfsync always" in conf
+    assert "appendonly no" in server.server_config(tmp_path, 6380, "pw", "none")
