@@ -52,6 +52,7 @@ from isbflow.ops import pipeline as ops_pipeline
 from isbflow.ops.zero_policy import IdleClock, Look, ZeroPolicy, policy
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
+from isbflow.steps.drain import resume_pipeline
 from isbflow.steps.lag import pipeline_lag
 
 __all__ = ["SLEEPING", "WatcherBusy", "ZeroError", "ZeroEvent", "look", "watch", "watcher_record"]
@@ -186,11 +187,15 @@ class _Watcher:
 
     async def run(self) -> None:
         async with session(self.settings, name="isbflow-zero") as nc:
-            awake = await self.first(nc)
-            while awake is not None and not self.stop.is_set():
-                awake = await (self.awake(nc) if awake else self.sleep(nc))
+            try:
+                awake = await self.first(nc)
+                while awake is not None and not self.stop.is_set():
+                    awake = await (self.awake(nc) if awake else self.sleep(nc))
+            finally:  # stopped, or failed: a pipeline left asleep reads drained, as a drain by hand leaves it
+                if self.asleep:
+                    with contextlib.suppress(Exception):
+                        await _mark(nc, self.p, Observed.DRAINED.value, only=SLEEPING)
             if self.asleep:
-                await _mark(nc, self.p, Observed.DRAINED.value, only=SLEEPING)
                 self.event("stopped", "the watcher stopped; the pipeline stays drained (its steps read drained)")
             elif awake is not None:
                 self.event("stopped", "the watcher stopped; the pipeline keeps running")
@@ -210,6 +215,7 @@ class _Watcher:
                             "see 'isbflow pipeline status' and the driver's log, fix it, then watch again")
         if any(now.pending.values()):
             return await self.wake(nc, "the driver is not running and buffers hold pending messages", now.to_json())
+        await resume_pipeline(nc, self.p)  # meant to run, asleep: a drain by hand from here is told apart
         await _mark(nc, self.p, SLEEPING)
         self.asleep = True
         self.event("asleep", "the driver is not running and nothing is pending", **now.to_json())
@@ -246,6 +252,9 @@ class _Watcher:
         pid = drained.launch.pid if drained.launch is not None else None
         if drained.driver_exited is False:  # drained: nothing is lost by stopping it
             await asyncio.to_thread(ops_pipeline.stop_launch, self.data_dir, self.p)
+        # the steps are meant to run and sleep: desired back to running (the drain left it draining), so a
+        # drain by hand while asleep is seen as one, and the next start finds them as pipeline_start sets them
+        await resume_pipeline(nc, self.p)
         await _mark(nc, self.p, SLEEPING)
         self.asleep = True
         self.event("asleep", "drained; the driver exited, checkpoints kept", driver_pid=pid,
