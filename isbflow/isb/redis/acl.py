@@ -79,13 +79,19 @@ def user_rules(password: str, streams: Iterable[str], commands: Iterable[str]) -
 
 
 async def apply_users(client: Any, data_dir: Path | str, grants: Sequence[roles.PipelineGrant]) -> list[str]:
-    """Give each role user of ``grants`` its rules on the running server (``ACL SETUSER``, through
-    the admin's ``client``) and in ``users.conf`` for the next start; the users. A user granted
-    again gets the rules of its current grants."""
+    """Make the role users of ``grants`` exactly the server's, through the admin's ``client``: each
+    gets its rules (``ACL SETUSER``; a user granted again gets the rules of its current grants), a
+    pipeline user of a pipeline no longer in ``grants`` is removed (``ACL DELUSER``), and
+    ``users.conf`` holds the same for the next start. Returns the users."""
+    wanted = role_grants(grants)
     lines = []
-    for user, (streams, commands) in role_grants(grants).items():
+    for user, (streams, commands) in wanted.items():
         rules = user_rules(secret(password_file(data_dir, user)), streams, commands)
         await client.execute_command("ACL", "SETUSER", user, *rules)
         lines.append(" ".join(["user", user, *rules]))
+    for user in await client.execute_command("ACL", "USERS"):
+        name = user.decode() if isinstance(user, bytes) else str(user)
+        if name.startswith(pipeline_user("")) and name not in wanted:
+            await client.execute_command("ACL", "DELUSER", name)
     write_private(redis_dir(data_dir) / USERS_FILE, "\n".join(lines) + "\n")
-    return [line.split()[1] for line in lines]
+    return list(wanted)

@@ -131,3 +131,25 @@ def test_key_patterns_match_their_keys_only():
     assert acl.key_patterns(["isb-p-a-b-0"]) == [
         "~isbflow:{isb-p-a-b-0}", "~isbflow:{isb-p-a-b-0}:ids", "~isbflow:{isb-p-a-b-0}:inc"]
     assert acl.key_patterns(["we*ird?[1]"])[0] == r"~isbflow:{we\*ird\?\[1\]}"
+
+
+def test_granting_again_gives_the_current_grants_and_removes_dropped_pipelines():
+    with running_redis() as r:
+        async def go():
+            admin = r.client()
+            await acl.apply_users(admin, r.data_dir, [P, PX])
+            narrowed = roles.PipelineGrant("p", ("isb-p-a-b-0",), (), (), "isb-p-dlq", (), ())
+            users = await acl.apply_users(admin, r.data_dir, [narrowed])
+            left = [u.decode() for u in await admin.execute_command("ACL", "USERS")]
+            await admin.aclose()
+            c = r.client("pipeline-p")
+            kept = await RedisBuffer(c, "isb-p-a-b-0").write(FRAME)
+            dropped = await _refused(RedisBuffer(c, "isb-p-a-b-1").write(FRAME))
+            await c.aclose()
+            return users, left, kept, dropped
+
+        users, left, kept, dropped = asyncio.run(go())
+    assert users == ["producer", "pipeline-p"]
+    assert "pipeline-p-x" not in left and "pipeline-p" in left
+    assert len(kept) == 1 and dropped
+
