@@ -208,3 +208,17 @@ def test_capacity_follows_buffer_max_length_and_usage_limit():
     assert capacity(30_000, 0.8, frame_rows=10_000) == 3  # counted in frames as the JetStream writer does
     with pytest.raises(ValueError, match="bufferUsageLimit"):
         capacity(100, 1.5)
+
+
+def test_a_server_that_forgot_the_scripts_still_takes_writes(redis_server):
+    """EVALSHA answered NOSCRIPT (a restarted server, SCRIPT FLUSH) is sent again with EVAL."""
+    async def go():
+        c = redis_server.client()
+        b = RedisBuffer(c, STREAM)
+        await b.write(frames(2))
+        await c.script_flush()
+        written = await b.write(frames(3))
+        await c.aclose()
+        return written
+
+    assert [w.duplicate for w in asyncio.run(go())] == [True, True, False]
