@@ -82,6 +82,7 @@ from nats.js.errors import NotFoundError
 
 from isbflow.isb import owners
 from isbflow.isb.connect import NatsSettings, session
+from isbflow.isb.provision_partitions import extra_partitions
 from isbflow.isb.provision_plan import (
     Holding,
     ResourcePlan,
@@ -392,8 +393,9 @@ async def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = Non
 
 async def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
                data_dir: Path | str | None = None) -> list[Drift]:
-    """Every difference between spec and server, missing resources included, each with the class
-    its change would have now (:class:`ChangeClass`); [] when in sync. Changes nothing.
+    """Every difference between spec and server, missing resources included, and partitions beyond
+    a vertex's ``partitions`` (:func:`isbflow.isb.provision_partitions.extra_partitions`), each with
+    the class its change would have now (:class:`ChangeClass`); [] when in sync. Changes nothing.
 
     With ``data_dir``, store limits the spec sets that the embedded server recorded there does
     not run with come first (resource ``nats-server``, class ``recreate``: a server restart)."""
@@ -416,6 +418,8 @@ async def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None
         out.extend(Drift(r.name, r.kind, c.field, c.new, c.old, c.cls, unread, c.reason) for c in rp.changes)
         if not rp.changes and rp.meta is not None:
             out.append(Drift(r.name, r.kind, HASH_KEY, rp.meta.new, rp.meta.old, unread=unread))
+    async with _jetstream(settings) as (nc, _):  # partitions beyond the spec's count (a rescale removes them)
+        out.extend(await extra_partitions(nc, select_pipeline(specs, pipeline)))
     return out
 
 

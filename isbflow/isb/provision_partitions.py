@@ -13,6 +13,9 @@ and removes the partitions a smaller number leaves behind.
   Interest buffer (isbflow purges what was committed downstream), the messages above the
   sequence the reading vertex committed for a Limits one (every message when none is
   recorded);
+- :func:`extra_partitions`: the partitions the server holds beyond the spec's count, as drift
+  (``isb diff`` lists them; ``isb apply`` leaves them: only a rescale removes a partition, once
+  it is read);
 - :func:`remove_partitions`: delete streams and the committed sequences the status bucket
   keeps for them, so a partition created again later under the same name starts with no
   record of the old one. It deletes what it is given: checking that nothing unread goes is
@@ -30,6 +33,7 @@ from nats.js.errors import NotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb.provision_plan import holding
+from isbflow.isb.provision_report import ChangeClass, Drift
 from isbflow.isb.provision_resources import Resource
 from isbflow.isb.state import committed_key
 from isbflow.spec import derived
@@ -86,6 +90,23 @@ async def held_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str) 
             held = await holding(js, reader, info, need_age=False)
             out.append(HeldPartition(name, e.from_, vertex, known[name], held.messages, held.unread,
                                      info.state.last_seq))
+    return out
+
+
+async def extra_partitions(nc: nats.aio.client.Client, p: Pipeline) -> list[Drift]:
+    """One drift (field ``exists``: spec False, server True) per partition stream the server holds
+    beyond the spec's ``partitions`` of the vertex it feeds; class ``may-discard`` when it holds
+    unread messages."""
+    out = []
+    for v in p.spec.vertices:
+        if not p.inputs(v.name):
+            continue
+        for h in await held_partitions(nc, p, v.name):
+            if h.partition >= v.partitions:
+                out.append(Drift(h.stream, "stream", "exists", False, True,
+                                 ChangeClass.MAY_DISCARD if h.unread else ChangeClass.SAFE, h.unread,
+                                 f"partition {h.partition} of buffer {h.edge}, beyond the spec's partitions: "
+                                 f"{v.partitions}; 'isbflow pipeline rescale' removes it once it is read"))
     return out
 
 

@@ -88,6 +88,11 @@ def test_grow_then_shrink_an_idle_pipeline_and_isb_diff_shows_no_drift(setup):
     again = setup.rescale(partitions=4)  # the server already holds what the spec says
     assert not again.changed and (again.before, again.after) == (4, 4)
 
+    _, specs, _ = setup.load(raw=1)  # the spec says 1, the server holds 4: three partitions too many
+    drift = ops_isb.diff(setup.settings, specs, data_dir=setup.data_dir)
+    assert [(d.resource, d.field, d.spec, d.server, d.cls.value) for d in drift] == [
+        (s, "exists", False, True, "safe") for s in streams(4)[1:]]
+    assert "'isbflow pipeline rescale' removes it once it is read" in drift[0].reason
     shrunk = setup.rescale(partitions=1)
     assert shrunk.removed == streams(4)[1:] and shrunk.created == [] and shrunk.dropped == {}
     _, specs, p = setup.load(raw=1)
