@@ -50,6 +50,7 @@ from isbflow.ops.isb import grant
 from isbflow.ops.pipeline import (
     REFERENCE_DIR,
     DrainTimeout,
+    LaunchError,
     PipelineError,
     drain_and_wait,
     live_launch,
@@ -272,8 +273,12 @@ def rescale(spec_file: Path, specs: Specs, p: Pipeline, vertex: str, settings: N
         assert launch is not None
         progress(f"starting pipeline {p.name} again")
         refs = references_dir if references_dir is not None else Path(spec_file).parent / REFERENCE_DIR
-        started = start(spec_file, specs, p, settings, data_dir, master=master or launch.master, workdir=workdir,
-                        references_dir=refs, provision=False, env=env, progress=progress)
+        try:
+            started = start(spec_file, specs, p, settings, data_dir, master=master or launch.master,
+                            workdir=workdir, references_dir=refs, provision=False, env=env, progress=progress)
+        except (PipelineError, LaunchError) as e:
+            raise RescaleError(f"pipeline {p.name} was re-partitioned ({out.before} -> {n}) but did not start "
+                               f"again: {e}; start it with the spec as it is") from None
         out.launch_id = started.launch.launch_id
         check = wait_state(settings, p, data_dir, "running", timeout=wait_timeout, progress=progress)
         if not check.done:
