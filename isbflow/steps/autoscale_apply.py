@@ -12,7 +12,9 @@ when the runner is made. Its replicas act in two places:
   runner asks the cluster manager for that total (``SparkContext.requestTotalExecutors``) and
   releases what is above it, idle executors only, without lowering the total again
   (``killExecutors`` of the scheduler backend, not forced: an executor running a task is left for a
-  later look). A local master has no executors to change: its replicas are task slots only.
+  later look). A local master has no executors to change: its replicas are task slots only, and so
+  are they where the application runs with Spark's dynamic allocation
+  (``spark.dynamicAllocation.enabled``), which then decides the executors itself.
 
 The autoscaler looks at a step on each of its heartbeats (the continuous loop's, every 2-5 s; an
 available-now step that scales beats on the same interval while it runs), from the heartbeat's own
@@ -48,6 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENDED = {Observed.DRAINED.value, Observed.STOPPED.value, Observed.FAILED.value}
+
+
+def dynamic_allocation(sc: Any) -> bool:
+    """Whether the application runs with Spark's dynamic allocation (its executors are Spark's to decide)."""
+    return str(sc.getConf().get("spark.dynamicAllocation.enabled", "false")).strip().lower() == "true"
 
 
 class Executors:
@@ -102,7 +109,8 @@ class Autoscaler:
             self.scalers[v.name] = VertexScaler(v.name, v.scale, v.source is not None, limit,
                                                 math.floor(capacity * v.scale.targetBufferAvailability / 100), now)
         sc = runner.spark.sparkContext
-        self.executors = Executors(sc) if self.scalers and str(sc.master).startswith("spark://") else None
+        cluster = self.scalers and str(sc.master).startswith("spark://")
+        self.executors = Executors(sc) if cluster and not dynamic_allocation(sc) else None
         self.active: set[str] = set()
         self._carried: int | None = None  # available-now: the replicas the step before ended with
         self._logged: dict[str, tuple] = {}

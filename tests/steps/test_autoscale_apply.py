@@ -69,9 +69,11 @@ class _Jvm:
         return SimpleNamespace(killExecutors=kill)
 
 
-def _runner(tmp_path: Path, p, master: str, jvm: _Jvm | None = None):
+def _runner(tmp_path: Path, p, master: str, jvm: _Jvm | None = None, dynamic: bool = False):
     jvm = jvm or _Jvm([])
-    sc = SimpleNamespace(master=master, _jvm=jvm, _jsc=SimpleNamespace(sc=lambda: jvm))
+    conf = {"spark.dynamicAllocation.enabled": "true"} if dynamic else {}
+    sc = SimpleNamespace(master=master, _jvm=jvm, _jsc=SimpleNamespace(sc=lambda: jvm),
+                         getConf=lambda: SimpleNamespace(get=lambda k, default=None: conf.get(k, default)))
     return SimpleNamespace(p=p, data_dir=tmp_path / "data", spark=SimpleNamespace(sparkContext=sc))
 
 
@@ -131,6 +133,14 @@ def test_on_a_cluster_master_it_asks_for_the_total_and_releases_idle_executors(t
     status.lag, status.state = {"src-auto-in": 0}, "drained"
     a.look(run, now=3)  # the step ended: its executors are kept for a step that starts after it
     assert jvm.totals == [1, 2] and jvm.executors == ["1", "2"]
+
+
+def test_under_dynamic_allocation_the_executors_are_sparks(tmp_path):
+    p = _pipeline(tmp_path)
+    jvm = _Jvm(["0", "1"])
+    a = Autoscaler(_runner(tmp_path, p, "spark://127.0.0.1:7077", jvm, dynamic=True), now=0)
+    a.start("in", now=0)
+    assert a.executors is None and jvm.totals == [] and jvm.killed == [] and a.reader_options("in")
 
 
 def test_a_disabled_scale_has_no_autoscaler(tmp_path):
