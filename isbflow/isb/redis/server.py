@@ -14,8 +14,8 @@
 - ``maxmemory-policy noeviction``: a full server refuses writes instead of evicting buffers.
 
 The PID (and the process's start time) are recorded in ``state.json``; :func:`stop_redis` signals
-only that process, and only while ``/proc/<pid>/cmdline`` still shows our config: SIGTERM, then
-SIGKILL after ``timeout``.
+only that process, and only while ``/proc/<pid>/cmdline`` still shows it is ours: SIGTERM (sent
+again every half second), then SIGKILL after ``timeout``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ PERSISTENCE = ("aof", "none")
 FSYNC = ("everysec", "always")
 #: where Debian's package puts the binary (looked at when PATH has none)
 DEBIAN_PATHS = ("/usr/bin/redis-server", "/usr/sbin/redis-server")
+#: seconds between SIGTERMs while stopping (:func:`stop_redis`)
+TERM_AGAIN = 0.5
 INSTALL_HINT = "install it with scripts/ensure-redis (or: apt-get install redis-server)"
 
 
@@ -224,14 +226,12 @@ def _port_free(port: int) -> bool:
 
 
 def _stop(state: RedisServerState, timeout: float) -> None:
-    """SIGTERM our server (it writes its AOF and exits), SIGKILL it when still there after ``timeout``."""
-    if not state.alive():
-        return
-    try:
-        os.kill(state.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    """SIGTERM our server (it writes its AOF and exits), again every :data:`TERM_AGAIN` seconds, and
+    SIGKILL when it is still there after ``timeout``. Sent again because a redis-server can miss it:
+    one just promoted from replica (``REPLICAOF NO ONE`` right after its first sync) ignored the
+    first SIGTERM and took the second."""
     deadline = time.monotonic() + timeout
+    term_at = 0.0
     while time.monotonic() < deadline:
         try:  # reap it when it is our child
             os.waitpid(state.pid, os.WNOHANG)
@@ -239,6 +239,12 @@ def _stop(state: RedisServerState, timeout: float) -> None:
             pass
         if not state.alive():
             return
+        if time.monotonic() >= term_at:
+            try:
+                os.kill(state.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            term_at = time.monotonic() + TERM_AGAIN
         time.sleep(0.05)
     try:
         os.kill(state.pid, signal.SIGKILL)

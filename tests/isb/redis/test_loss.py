@@ -150,3 +150,34 @@ def test_judge_tells_an_empty_buffer_from_a_lost_one():
     assert "recreated" in judge("s", _state(incarnation=Incarnation("i2", 1.0)), seen).reason
     assert "holds less" in judge("s", _state(entries_added=3, length=3, first=EntryId(10, 0),
                                              last_generated=EntryId(10, 2)), seen).reason
+
+
+def test_a_failover_to_a_replica_behind_its_master_is_loss_for_a_reader_past_it():
+    """A real replica: it follows the master, is cut off, the master takes three more frames and
+    the reader reads them; then the replica is promoted. A reader that had read past what the
+    replica holds finds the loss; one that had not cannot (the buffer never held those frames, as
+    far as the replica knows): the replay from the source's offsets covers that case."""
+    with running_redis() as master, running_redis() as replica:
+        async def go():
+            m, rep = master.client(), replica.client()
+            await m.config_set("repl-diskless-sync-delay", 0)  # send the first sync at once, not after 5 s
+            await rep.config_set("masterauth", master.state.password)
+            await rep.execute_command("REPLICAOF", "127.0.0.1", str(master.state.port))
+            b = RedisBuffer(m, STREAM)
+            inc = await b.create()
+            early = await b.write(frames(3))
+            while await m.execute_command("WAIT", 1, 1000) < 1:  # the replica has the first three
+                pass
+            await rep.execute_command("REPLICAOF", "NO", "ONE")  # cut off, then promoted
+            late = await b.write(frames(3, start=3))
+            promoted = RedisBuffer(rep, STREAM)
+            past = await promoted.check(ReaderPosition(inc, late[-1].offset))
+            within = await promoted.check(ReaderPosition(inc, early[1].offset))
+            await m.aclose()
+            await rep.aclose()
+            return early, past, within
+
+        early, past, within = asyncio.run(go())
+    assert past is not None and "holds less than was read" in past.reason
+    assert past.first == early[-1].offset.after()
+    assert within is None
