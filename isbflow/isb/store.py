@@ -21,7 +21,8 @@ offsets it got from the same store and never does arithmetic on them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -32,13 +33,18 @@ Offset = TypeVar("Offset")
 class BufferFull(Exception):
     """A write the buffer refused because it holds its capacity of frames not yet released.
 
-    The caller retries later (``onFull=retryUntilSuccess``: back-pressure) or drops and counts the
-    frame (``discardLatest``). ``written`` frames of the refused call were stored before the
-    refusal, in order; none after it was."""
+    The caller retries later (``onFull=retryUntilSuccess``: back-pressure, :func:`write_until_stored`)
+    or drops and counts the frame (``discardLatest``). ``stored`` holds the outcome of each frame of
+    the refused call that went in before the refusal, in order (``written`` of them); none after it
+    did."""
 
-    def __init__(self, stream: str, capacity: int, written: int = 0):
-        super().__init__(stream, capacity, written)
-        self.stream, self.capacity, self.written = stream, capacity, written
+    def __init__(self, stream: str, capacity: int, stored: Sequence[Written] = ()):
+        super().__init__(stream, capacity, len(stored))
+        self.stream, self.capacity, self.stored = stream, capacity, list(stored)
+
+    @property
+    def written(self) -> int:
+        return len(self.stored)
 
     def __str__(self) -> str:
         return (f"buffer {self.stream} is full: it holds {self.capacity} frames not yet committed downstream "
@@ -157,3 +163,25 @@ class BufferReleaser(Protocol[Offset]):
         covers them; never by the reader); how many were removed. Idempotent. With
         ``incarnation``, removes nothing when the buffer has since become another incarnation."""
         ...
+
+
+async def write_until_stored(writer: BufferWriter[Offset], frames: Sequence[OutFrame], *, first_pause: float = 0.05,
+                             max_pause: float = 2.0,
+                             on_full: Callable[[BufferFull], None] | None = None) -> list[Written[Offset]]:
+    """``onFull=retryUntilSuccess`` over any store: write ``frames``; while the buffer is full, wait
+    (pauses doubling from ``first_pause`` up to ``max_pause``; ``on_full`` hears each refusal, e.g.
+    to log it) and write the rest again, until every frame is stored, in order. Back-pressure: the
+    caller is held as long as the downstream step has not committed and released."""
+    out: list[Written[Offset]] = []
+    rest, pause = list(frames), first_pause
+    while True:
+        try:
+            return out + await writer.write(rest)
+        except BufferFull as full:
+            out += full.stored
+            rest = rest[full.written:]
+            if on_full is not None:
+                on_full(full)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, max_pause)
+

@@ -112,7 +112,7 @@ class RedisBuffer:
             for f, reply in zip(frames[start:end], replies, strict=False):
                 r = _text(reply)
                 if r == "full":
-                    raise BufferFull(self.stream, self.capacity or 0, written=len(out))
+                    raise BufferFull(self.stream, self.capacity or 0, stored=out)
                 out.append(Written(f.frame_id, None, True) if r == "dup"
                            else Written(f.frame_id, EntryId.parse(r), False))
             start = end

@@ -10,7 +10,7 @@ import pytest
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.redis.buffers import RedisBuffer, capacity
 from isbflow.isb.redis.keys import BufferKeys, EntryId
-from isbflow.isb.store import BufferFull, OutFrame
+from isbflow.isb.store import BufferFull, OutFrame, write_until_stored
 from tests.helpers.redis_server import running_redis
 
 STREAM = "isb-p-a-b-0"
@@ -113,6 +113,7 @@ def test_a_full_buffer_refuses_writes_until_a_release_makes_room(redis_server):
 
     full, still, released, rest, got = asyncio.run(go())
     assert (full.written, full.capacity, still.written) == (5, 5, 0)
+    assert [w.frame_id for w in full.stored] == [f.frame_id for f in frames(5)]
     assert "is full" in str(full) and STREAM in str(full)
     assert released == 3
     assert [w.duplicate for w in rest] == [False] * 3
@@ -222,3 +223,43 @@ def test_a_server_that_forgot_the_scripts_still_takes_writes(redis_server):
         return written
 
     assert [w.duplicate for w in asyncio.run(go())] == [True, True, False]
+
+
+def test_a_writer_held_by_a_full_buffer_goes_on_once_the_downstream_releases(redis_server):
+    """onFull=retryUntilSuccess: the writer waits at capacity; a downstream reader that reads,
+    commits and releases lets it go on, and every frame lands once, in order."""
+    batch = frames(40)
+
+    async def downstream(b: RedisBuffer, held: asyncio.Event, done: asyncio.Event) -> None:
+        await held.wait()  # the writer met a full buffer
+        last = None
+        while not done.is_set() or await b.read(last, None, 1):
+            got = await b.read(last, None, 100)
+            if got:
+                last = got[-1].offset
+                await b.release(last)  # committed downstream
+            await asyncio.sleep(0.01)
+
+    async def go():
+        c = redis_server.client()
+        b = RedisBuffer(c, STREAM, capacity=5)
+        held, done, refusals = asyncio.Event(), asyncio.Event(), []
+
+        def on_full(full: BufferFull) -> None:
+            refusals.append(full.written)
+            held.set()
+
+        reader = asyncio.create_task(downstream(RedisBuffer(c, STREAM), held, done))
+        written = await write_until_stored(b, batch, first_pause=0.01, max_pause=0.05, on_full=on_full)
+        done.set()
+        await reader
+        st = await b.state()
+        await c.aclose()
+        return written, refusals, st
+
+    written, refusals, st = asyncio.run(go())
+    assert refusals and refusals[0] == 5
+    assert [w.frame_id for w in written] == [f.frame_id for f in batch]
+    assert not any(w.duplicate for w in written)
+    assert st.entries_added == 40 and st.length == 0
+
