@@ -165,6 +165,9 @@ def status(
     A sink whose failure policy acted gets a line: failed attempts, records sent to its fallback,
     records dropped, and the failure while attempts go on.
 
+    A step with scale gets a line from its autoscaler: its replicas, the desired replicas within
+    min..max, why, and on a cluster master the application's executors.
+
     --json holds every heartbeat field (unrouted_total, dlq_total, sink_retries, fallback_total, ...).
     """
     # lazy: ops.pipeline loads the NATS client and the launcher, which 'isbflow --help' must not pay for
@@ -192,6 +195,12 @@ def status(
             console.print(f"sink {v}: {s.sink_retries} failed attempts, {s.fallback_total} records to the fallback "
                           f"({s.refused_total} refused one by one), {s.dropped_total} dropped"
                           + (f"; retrying: {s.sink_error}" if s.sink_error else ""), markup=False, highlight=False)
+    from isbflow.ops.status import replicas_line
+
+    for v, s in statuses.items():  # a step with scale: its autoscaler's replicas and last decision
+        line = replicas_line(v, s)
+        if line:
+            console.print(line, markup=False, highlight=False)
     if recovery:
         console.print(ops.recovery_line(recovery), markup=False, highlight=False)
 
