@@ -441,6 +441,27 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
+def frame_rows(records: int) -> int:
+    """Rows a frame carries for a run of ``records``: 10,000, fewer for small runs (20 frames at least)."""
+    return max(100, min(10_000, records // 20))
+
+
+def start_spark(trigger: str):
+    """The one SparkSession ``local[2]`` a bench measures in, and the conf it was started with beyond
+    isbflow's defaults: the JVM options a pipeline's driver runs with
+    (``isbflow.steps.session.driver_conf``) for a pipeline whose latency budget is ``trigger``, so the
+    memory measured is the engine's as deployed. The in-memory source is registered."""
+    from isbflow.steps.driver import interval_s
+    from isbflow.steps.runner import spark_session
+    from isbflow.steps.session import driver_conf
+
+    conf = {**driver_conf(interval_s(trigger)), "spark.sql.streaming.numRecentProgressUpdates": "5000"}
+    spark = spark_session("local[2]", app_name="isbflow-bench", conf=conf)
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(cm.BenchMemorySource)
+    return spark, conf
+
+
 def main() -> None:
     cm.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -469,7 +490,7 @@ def main() -> None:
         live_seconds=args.live_seconds or (15 if q else 120), live_rate=args.live_rate or (2000 if q else 20_000),
         live_rate_high=args.live_rate_high if args.live_rate_high is not None else (0 if q else 100_000),
         trigger=args.trigger, json_files=20 if q else 50,
-        frame_rows=max(100, min(10_000, records // 20)),
+        frame_rows=frame_rows(records),
     )
     cm.write_result(run(cfg, args.keep, args.diagnose), args.out, print_table)
 
@@ -482,9 +503,7 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
     from isbflow.isb.server import start_embedded, stop_embedded
     from isbflow.ops.produce import produce
     from isbflow.spec import load_specs
-    from isbflow.steps.driver import interval_s
-    from isbflow.steps.runner import PipelineRunner, spark_session
-    from isbflow.steps.session import driver_conf
+    from isbflow.steps.runner import PipelineRunner
 
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": cfg.__dict__ | {
@@ -502,13 +521,8 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
         settings = resolve_settings(data_dir=work)
         asyncio.run(provision.apply(settings, specs))
         log(f"nats-server pid {nats_pid} at {work}")
-        # the JVM options a pipeline's driver runs with (isbflow.steps.session.driver_conf), for a
-        # pipeline whose latency budget is F's trigger: the memory measured is the engine's as deployed
-        conf = {**driver_conf(interval_s(cfg.trigger)), "spark.sql.streaming.numRecentProgressUpdates": "5000"}
-        result["spark_conf"] = conf
-        spark = spark_session("local[2]", app_name="isbflow-bench", conf=conf)
-        spark.sparkContext.setLogLevel("ERROR")
-        spark.dataSource.register(cm.BenchMemorySource)
+        # for a pipeline whose latency budget is F's trigger
+        spark, result["spark_conf"] = start_spark(cfg.trigger)
         jvm_pid = spark.sparkContext._gateway.proc.pid
         sampler = cm.RssSampler(jvm_pid).start()
         bench = Bench(cfg, work, spark, settings, specs, sampler)
