@@ -3,7 +3,7 @@
     python bench/plot.py bench/results/soak.json --out docs/images/soak.svg \
         [--metric cpu_per_batch_s --metric rss_bytes ...] [--title "..."]
 
-For ``bench/soak.py``'s JSON: each metric is drawn against minutes since the steady run began,
+For ``bench/soak.py``'s JSON: each metric is drawn against minutes since the measured run began,
 one small chart per metric, stacked. Counter pairs (``cpu_per_batch_s``: CPU seconds over
 committed batches; ``commit_latency_s``: Spark's batch time over batches) are drawn as their
 rate between consecutive samples, smoothed over a window of ``--smooth`` samples; every other
@@ -81,8 +81,9 @@ def chart(metric: str, pts: list[tuple[float, float]], t0: float, t1: float, y0:
 def render(result: dict, metrics: list[str], title: str, smooth: int) -> str:
     series = result["series"]
     run = result.get("run", {})
-    t0 = float(run.get("steady_from_s", series[0]["t"]))
-    t1 = t0 + float(run.get("steady_seconds", series[-1]["t"] - t0))
+    steady_from = float(run.get("steady_from_s", series[0]["t"]))
+    t1 = steady_from + float(run.get("steady_seconds", series[-1]["t"] - steady_from))
+    t0 = float(run.get("measured_from_s", steady_from))  # after --settle-minutes
     steady = [s for s in series if t0 <= s["t"] <= t1]
     height = 30 + H * len(metrics)
     body = "".join(chart(m, points(steady, m, smooth), t0, t1, 30 + i * H) for i, m in enumerate(metrics))
