@@ -13,7 +13,9 @@ with it, in this order:
    about to be created (a partition removed and added again before the step ran a batch:
    its reader would take the new stream for the old one recreated, a buffer loss);
 2. **drain** the pipeline when its driver runs here (:func:`isbflow.ops.pipeline.drain_and_wait`,
-   upstream first, final offsets committed) and wait for the driver to exit;
+   upstream first, final offsets committed) and wait for the driver to exit; a pipeline whose
+   steps heartbeat from a driver this host has no launch of is refused (it cannot be drained
+   and started again from here);
 3. **check what is unread**: every partition the server holds for the vertex's in edges must
    be fully read by the vertex (:func:`isbflow.isb.provision_partitions.held_partitions`).
    An unread message in a partition about to be removed would be lost; one in a partition
@@ -46,6 +48,7 @@ from isbflow.isb.connect import IsbUnreachable, NatsSettings, session
 from isbflow.isb.loss import checkpoint_offsets
 from isbflow.isb.naming import EdgePartition
 from isbflow.isb.provision_partitions import HeldPartition, held_partitions, remove_partitions
+from isbflow.isb.state import Observed
 from isbflow.ops.isb import grant
 from isbflow.ops.pipeline import (
     REFERENCE_DIR,
@@ -56,6 +59,7 @@ from isbflow.ops.pipeline import (
     live_launch,
     provision_buffers,
     start,
+    status,
     wait_state,
 )
 from isbflow.spec import Specs
@@ -204,6 +208,20 @@ def _remove(settings: NatsSettings, p: Pipeline, vertex: str, streams: list[str]
     return asyncio.run(go())
 
 
+#: a step whose heartbeat is younger than this, in a live state, runs
+LIVE_HEARTBEAT_S = 60.0
+
+
+def _live_elsewhere(settings: NatsSettings, p: Pipeline) -> str:
+    """The steps of ``p`` that report a live state with a fresh heartbeat ("" when none): a driver
+    this host has no launch record of (``isbflow pipeline run`` in a terminal, another host)."""
+    st = status(settings, p)
+    live = [f"step {v} {s.state}, heartbeat {s.age():.0f}s ago" for v, s in st.statuses.items()
+            if s is not None and s.state in (Observed.STARTING, Observed.RUNNING, Observed.DRAINING)
+            and s.age() < LIVE_HEARTBEAT_S]
+    return "; ".join(live)
+
+
 def _count(held: list[HeldPartition]) -> int:
     per_edge: dict[str, int] = {}
     for h in held:
@@ -248,6 +266,10 @@ def rescale(spec_file: Path, specs: Specs, p: Pipeline, vertex: str, settings: N
                                f"{exit_timeout:.0f}s later; see {launch.log}. Nothing was re-partitioned")
         out.drained = True
         held = _held(settings, p, vertex)
+    elif live := _live_elsewhere(settings, p):
+        raise RescaleRefused(f"refused, nothing was changed: pipeline {p.name} runs without a launch on this host "
+                             f"({live}): a rescale drains and starts only a driver launched here. Drain it "
+                             f"('isbflow pipeline drain -f {spec_file}'), rescale, then start it")
     unread = [h for h in held if h.unread]
     if unread and not force:
         stays = (f"; pipeline {p.name} was drained and stays stopped until you rescale again or start it"

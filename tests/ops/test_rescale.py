@@ -15,7 +15,7 @@ import yaml
 
 from isbflow.isb.connect import session
 from isbflow.isb.provision_partitions import held_partitions
-from isbflow.isb.state import get_committed, put_committed
+from isbflow.isb.state import Observed, StepStatus, get_committed, put_committed, put_status
 from isbflow.ops import isb as ops_isb
 from isbflow.ops import rescale as ops
 from isbflow.spec import derived, load_specs
@@ -171,3 +171,18 @@ def test_a_vertex_whose_checkpoint_holds_state_is_refused_with_the_reason(setup)
         ops.rescale(path, specs, p, "counts", setup.settings, setup.data_dir, partitions=2)
     assert "step 'counts' is an aggregation (output: update, keys ['service'])" in str(e.value)
     assert [h.partition for h in held(setup.settings, p, "counts")] == [0]  # nothing changed
+
+
+def test_a_pipeline_running_without_a_launch_here_is_refused(setup):
+    """A step heartbeating from a driver this host did not launch (a terminal's ``pipeline run``,
+    another host): the rescale cannot drain and restart it, so it refuses and changes nothing."""
+
+    async def beat():
+        async with session(setup.settings) as nc:
+            await put_status(nc, "resc", StepStatus("raw", state=Observed.RUNNING))
+
+    asyncio.run(beat())
+    with pytest.raises(ops.RescaleRefused, match=r"runs without a launch on this host \(step raw running"):
+        setup.rescale(partitions=4)
+    _, _, p = setup.load()
+    assert [h.stream for h in held(setup.settings, p)] == streams(2)
