@@ -91,6 +91,21 @@ def _cpu(pid: int) -> float:
     return tree_cpu_seconds([pid])
 
 
+def _spark_tree() -> list[int]:
+    """The Spark JVM's tree and the zygote's (which forks the Python workers): every process below
+    this one but the stores' servers."""
+    me = os.getpid()
+    out = []
+    for pid in cm.descendants(me):
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            continue
+        if pid != me and exe != "nats-server":
+            out.append(pid)
+    return out
+
+
 def _process_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -141,7 +156,6 @@ class JetStreamStore(Store):
         self.kind, self.cipher, self.cfg = kind, CIPHER[kind], cfg
         self.dir = root / kind
         self.state = None
-        self.jvm_pid: int | None = None
 
     def start(self, spark, sampler) -> None:
         from isbflow.isb import naming, provision
@@ -165,7 +179,6 @@ class JetStreamStore(Store):
         self.streams, self.subjects = [ep.stream for ep in edge], [ep.subject for ep in edge]
         self.max_payload = self.specs.service_for(self.p).spec.jetstream.settings.max_payload
         self.bench = tp.Bench(self.cfg, self.dir, spark, self.settings, self.specs, sampler)
-        self.jvm_pid = spark.sparkContext._gateway.proc.pid
         log(f"{self.kind}: nats-server pid {self.pid}, cipher {cipher}, at {self.dir}")
 
     def _stores(self) -> list[Path]:
@@ -214,13 +227,14 @@ class JetStreamStore(Store):
         return out
 
     def measure_a(self, name: str, records: int) -> dict:
-        """A on this store (``Bench.run`` of ``frames_through``), with the CPU of the server, of the
-        Spark JVM's tree (its Python workers included) and of this process (the driver's Python:
-        the Delta commit, py4j, the RSS sampler) over the query."""
-        n0, s0, b0 = _cpu(self.pid), tree_cpu_seconds(cm.descendants(self.jvm_pid)), _process_cpu()
+        """A on this store (``Bench.run`` of ``frames_through``), with the CPU of the server, of
+        Spark's processes (the JVM, the zygote and the Python workers it forks: :func:`_spark_tree`)
+        and of this process (the driver's Python: the Delta commit, py4j, the RSS sampler) over the
+        query. A worker that ended within the query counts once its parent has reaped it."""
+        n0, s0, b0 = _cpu(self.pid), tree_cpu_seconds(_spark_tree()), _process_cpu()
         out = self.bench.run(self.bench.frames_through(), name, records, sink="through")
         out["nats_cpu_s"] = round(_cpu(self.pid) - n0, 3)
-        out["spark_cpu_s"] = round(tree_cpu_seconds(cm.descendants(self.jvm_pid)) - s0, 3)
+        out["spark_cpu_s"] = round(tree_cpu_seconds(_spark_tree()) - s0, 3)
         out["bench_cpu_s"] = round(_process_cpu() - b0, 3)
         return out
 
