@@ -171,7 +171,8 @@ def cli_reference() -> str:
 
 AIRFLOW_MARK = "<!-- isbflow:airflow-classes -->"
 AIRFLOW_MODULES = ("operators/isb.py", "operators/pipeline.py", "operators/replay.py", "operators/quality.py",
-                   "operators/sinks.py", "operators/watchdog.py", "sensors/pipeline.py", "sensors/lag.py",
+                   "operators/sinks.py", "operators/watchdog.py", "operators/rescale.py", "sensors/pipeline.py",
+                   "sensors/lag.py",
                    "triggers/pipeline.py", "triggers/lag.py", "hooks/jetstream.py")
 
 

@@ -189,6 +189,7 @@ HEAVY = ("pyspark", "deltalake", "great_expectations")
 DAG_FACES = ["isbflow.airflow.operators.isb", "isbflow.airflow.operators.pipeline",
              "isbflow.airflow.operators.quality", "isbflow.airflow.operators.replay",
              "isbflow.airflow.operators.sinks", "isbflow.airflow.operators.watchdog",
+             "isbflow.airflow.operators.rescale",
              "isbflow.airflow.sensors.pipeline", "isbflow.airflow.triggers.pipeline",
              "isbflow.airflow.assets", "isbflow.airflow.catalog", "isbflow.airflow.pipelines"]
 
