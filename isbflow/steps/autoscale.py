@@ -23,7 +23,9 @@ A vertex's replicas are the task slots its query gets per micro-batch and, on a 
 
 The inputs are averaged over ``lookbackSeconds`` (:class:`Lookback`): the processing rate is the
 rows the step processed in the window over the window's span, the pending count per partition the
-mean of the samples in it.
+mean of the samples in it. A window in which no micro-batch ended (a lookback shorter than a batch)
+has no rate of its own: the last batch's processing rate stands in, as in
+``isbflow pipeline advise``, so a batch still running is not taken for a step with nothing to do.
 """
 
 from __future__ import annotations
@@ -168,11 +170,13 @@ class VertexScaler:
         self.last: Decision | None = None
         self.ups = self.downs = self.looks = 0
 
-    def look(self, now: float, rows_total: int, pending: list[int]) -> Decision:
-        """Add a sample and decide; a change becomes the current replicas at once."""
+    def look(self, now: float, rows_total: int, pending: list[int], last_batch_rate: float = 0.0) -> Decision:
+        """Add a sample and decide; a change becomes the current replicas at once. ``last_batch_rate``:
+        the rows/s of the step's last micro-batch, the rate when none ended within the window."""
         self.window.add(now, rows_total, pending)
         self.looks += 1
-        d = decide(self.vertex, self.scale, self.source, self.window.pending(), self.window.rate(), self.current,
+        rate = self.window.rate() or last_batch_rate
+        d = decide(self.vertex, self.scale, self.source, self.window.pending(), rate, self.current,
                    now - self.changed_at, self.limit, self.available, now)
         if d.target != self.current:
             self.current, self.changed_at = d.target, now

@@ -18,7 +18,8 @@ when the runner is made. Its replicas act in two places:
 
 The autoscaler looks at a step on each of its heartbeats (the continuous loop's, every 2-5 s; an
 available-now step that scales beats on the same interval while it runs), from the heartbeat's own
-figures: ``rows_total`` for the rate, ``lag`` (pending per input partition: events of a source
+figures: ``rows_total`` for the rate (``processed_rows_per_s``, the last batch's, when no batch ended
+within the lookback), ``lag`` (pending per input partition: events of a source
 stream, frames of an internal edge). A decision that changes the replicas, or whose outcome differs
 from the step's last, is logged at INFO with its inputs (:meth:`Decision.log_line`); one that
 repeats the last is logged at DEBUG. The last decision, with counts of changes and the executors,
@@ -153,7 +154,8 @@ class Autoscaler:
             return sc.last
         now = time.monotonic() if now is None else now
         before = sc.current
-        d = sc.look(now, status.rows_total, [int(status.lag.get(s, 0)) for s in run.queries[0].inputs])
+        d = sc.look(now, status.rows_total, [int(status.lag.get(s, 0)) for s in run.queries[0].inputs],
+                    float(status.processed_rows_per_s or 0.0))
         d.at = time.time()
         if d.target != before:
             self._write(run.vertex, d.target)

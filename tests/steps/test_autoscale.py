@@ -86,6 +86,16 @@ def test_the_lookback_averages_rate_and_pending_over_its_window():
     assert w.rate() == 0.0 and w.pending() == [0]
 
 
+def test_a_batch_longer_than_the_lookback_is_not_taken_for_idle():
+    sc = VertexScaler("in", FAST.model_copy(update={"lookbackSeconds": 3}), source=True, now=0)
+    sc.look(0, 0, [100_000], last_batch_rate=0.0)
+    d = sc.look(5, 0, [100_000], last_batch_rate=0.0)  # nothing measured yet: nothing to say
+    assert (d.rate, d.desired, d.target) == (0.0, 1, 1)
+    sc.look(10, 30_000, [70_000], last_batch_rate=4_000.0)  # a batch of 30,000 ended
+    d = sc.look(20, 30_000, [70_000], last_batch_rate=4_000.0)  # the next runs 10 s: no batch in the window
+    assert (d.rate, d.desired, d.target, d.why) == (4_000.0, 2, 2, "backlog")  # 70,000 / 4,000 / 10 s
+
+
 def test_a_vertex_scaler_goes_up_on_a_backlog_and_down_after_the_cooldown():
     sc = VertexScaler("in", FAST, source=True, now=0)
     assert sc.current == 1
