@@ -22,9 +22,10 @@ empty, the same records (:func:`_common.records`) are published into them as Arr
 default: nats-server keeps the blocks it has just written cached in memory for a few seconds,
 ``defaultCacheBufferExpiration`` in its filestore, so a read right after the publish would skip
 part of the decryption) A reads them into a fresh Delta table written through as a Delta sink
-vertex runs (``throughput.Bench``), timed: records/s whole and steady. Beside each phase, CPU seconds from ``/proc``: the store's server, the publisher
-(this process's main thread) while publishing, the Spark JVM's tree and this process while
-reading. After publishing, the store's folders are checked: every stream of an encrypted store
+vertex runs (``throughput.Bench``), timed: records/s whole and steady. Beside each phase, CPU
+seconds from ``/proc``: the store's server, the publisher (this process's main thread) while
+publishing, Spark's processes (the JVM, the zygote and the Python workers it forks) and this
+process while reading. After publishing, the store's folders are checked: every stream of an encrypted store
 has nats-server's ``meta.key`` and none of the plain store's does.
 
 Before the rounds, unreported: a warm-up query from memory, then on each store one fill and one
