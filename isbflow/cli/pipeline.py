@@ -195,7 +195,7 @@ def status(
             console.print(f"sink {v}: {s.sink_retries} failed attempts, {s.fallback_total} records to the fallback "
                           f"({s.refused_total} refused one by one), {s.dropped_total} dropped"
                           + (f"; retrying: {s.sink_error}" if s.sink_error else ""), markup=False, highlight=False)
-    from isbflow.ops.status import replicas_line
+    from isbflow.ops.status import replicas_line  # lazy: keeps --help light
 
     for v, s in statuses.items():  # a step with scale: its autoscaler's replicas and last decision
         line = replicas_line(v, s)
