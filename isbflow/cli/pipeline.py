@@ -220,8 +220,9 @@ def advise(
     utilization (last batch time over the latency budget, limits.readTimeout) and the replicas
     Numaflow's autoscaler formula asks for (with the vertex's scale, or Numaflow's defaults); per edge
     its hot partitions (lag or messages written more than 2x the siblings' median and at least 10
-    messages above it); readBatchSize, bufferMaxLength and latency-budget advice. No autoscaler
-    acts on it: it reports. Exit 0; 1 when the ISB service cannot be read.
+    messages above it); readBatchSize, bufferMaxLength and latency-budget advice. It reports; a
+    running step with scale is scaled by its autoscaler with the same formula ('pipeline status'
+    shows its replicas). Exit 0; 1 when the ISB service cannot be read.
 
     --json prints {"pipeline", "generated_at", "scaler", "thresholds": {"hot_factor",
     "hot_floor_messages", "sample_frames", "full_batch"}, "vertices": [{"vertex", "role", "state",
