@@ -50,7 +50,7 @@ def validate(
 
     A valid spec may draw warnings on stderr (exit 0 all the same), one line each:
 
-    warning: FILE: path.to.field: what it does not do yet (e.g. a scale no autoscaler acts on)
+    warning: FILE: path.to.field: what it does not do (e.g. a scale.min of 0 a running step keeps at 1)
     """
     # lazy: the spec's models load pydantic and yaml (~0.4 s), which 'isbflow --help' must not pay for
     from isbflow.spec import SpecError, load_specs

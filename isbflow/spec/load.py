@@ -6,7 +6,7 @@ documents (edges, cycles, roles, duplicate names, ISB service references).
 Every problem becomes a :class:`SpecProblem`, printed as one line
 ``FILE: path.to.field: what is wrong (line N)``; if there is any,
 :class:`SpecError` carries all of them, so a user fixes a file in one pass.
-What is valid but does nothing yet (a ``scale`` no autoscaler acts on) is a
+What is valid but not acted on (a ``scale.min: 0`` the step's autoscaler keeps at 1) is a
 warning, located the same way, in :attr:`Specs.warnings`.
 
 Paths are relative to the document's ``spec`` (``vertices[2].partitions``);
@@ -398,7 +398,7 @@ def _transform_problems(doc: _Document, p: Pipeline) -> list[SpecProblem]:
 
 
 def _scale_warnings(doc: _Document, p: Pipeline) -> list[SpecProblem]:
-    """A warning for each vertex whose ``scale`` no autoscaler acts on (:func:`scale_warning`)."""
+    """A warning for each vertex whose ``scale`` asks for what the autoscaler does not do (:func:`scale_warning`)."""
     out = []
     for i, v in enumerate(p.spec.vertices):
         message = scale_warning(v.scale)

@@ -292,8 +292,8 @@ class Vertex(SpecModel):
     """This vertex's limits, over the pipeline's ``limits``."""
     scale: Scale | None = None
     """Numaflow's autoscaling settings: replicas are the vertex's task slots per micro-batch (on a cluster
-    master, the application's executors). Accepted; no autoscaler acts on them yet (``isbflow validate``
-    warns unless ``disabled: true``; ``isbflow pipeline advise`` reports the desired replicas)."""
+    master, the application's executors), acted on by the step's autoscaler (docs/autoscaling.md);
+    ``min: 0`` stops an idle pipeline's driver only under ``isbflow pipeline scale-to-zero``."""
     onFull: OnFull = OnFull.RETRY_UNTIL_SUCCESS
     """What writers to this vertex's buffer do when it is full: ``retryUntilSuccess`` (wait: back-pressure)
     or ``discardLatest`` (drop and count). Default ``retryUntilSuccess``."""
