@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from enum import StrEnum
 from typing import Annotated
@@ -50,6 +51,20 @@ ProcessingTimeOpt = Annotated[str | None, typer.Option(
          "own readTimeout says otherwise; ISBFLOW_IDLE_WAIT=0 gives every step this interval).")]
 
 
+def _log_steps() -> None:
+    """The steps' own log lines (a restart, a drain, each decision of a step's autoscaler with its
+    inputs) on stderr, which a launched driver writes to its log file."""
+    import logging  # lazy: only a run logs
+
+    log = logging.getLogger("isbflow.steps")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, metrics_port=0,
          processing_time=None):
     # lazy: ops.pipeline loads the NATS client and the launcher, which 'isbflow --help' must not pay for
@@ -57,6 +72,7 @@ def _run(files, pipeline, data_dir, nats_url, trigger, master, steps, json_out, 
 
     specs, p = pipeline_or_exit(files, pipeline)
     settings = settings_or_exit(nats_url, data_dir, specs, p.name)
+    _log_steps()
     available_now = trigger == Trigger.AVAILABLE_NOW
     if not json_out and not available_now:
         console.print(f"pipeline {p.name} running (Ctrl-C stops; 'isbflow pipeline drain' drains)")

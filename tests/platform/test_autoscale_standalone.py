@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
@@ -118,6 +119,10 @@ def test_a_backlog_scales_to_two_executors_and_idle_releases_one(cluster, nats_s
         assert final["in"].final_offsets == {"src-auto-in": COUNT}
         proc.wait(timeout=WAIT_S)
         assert proc.returncode == 0, log.read_text()[-3000:]
+        # each decision is in the driver's log with its inputs
+        text = log.read_text()
+        assert re.search(r"autoscale in: up 1 -> 2 \(.*\); desired 2 within 1\.\.2, pending \[\d+\], rate", text), text[-3000:]
+        assert re.search(r"autoscale in: down 2 -> 1 ", text), text[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
