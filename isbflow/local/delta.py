@@ -48,6 +48,8 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction
 
+from isbflow.local import delta_sidecar
+
 _log = logging.getLogger(__name__)
 
 #: loads tried when a log file vanished under the load (module docstring)
@@ -102,7 +104,8 @@ def table_history(table: DeltaTable, limit: int | None = None) -> list[dict]:
     """The commits of ``table`` up to its version, newest first (``limit``: at most that many), as
     ``DeltaTable.history`` gives them but each with its own ``version`` (module docstring). A commit
     file the log no longer holds (maintenance removed it, or is removing it now) is left out, as
-    delta-rs leaves it out."""
+    delta-rs leaves it out. A fold's metadata kept beside the log is read back in
+    (:mod:`isbflow.local.delta_sidecar`)."""
     root = log_root(table)
     top = table.version()
     versions = sorted((v for f in os.listdir(root) if (m := _COMMIT_FILE.match(f)) and (v := int(m[1])) <= top),
@@ -115,7 +118,7 @@ def table_history(table: DeltaTable, limit: int | None = None) -> list[dict]:
             info = commit_action(root, v, "commitInfo") or {}
         except FileNotFoundError:
             continue
-        out.append({**info, "version": v})
+        out.append(delta_sidecar.expand(root.parent, {**info, "version": v}))
     return out
 
 

@@ -66,6 +66,7 @@ from deltalake.exceptions import CommitFailedError
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN, PartitionRanges
+from isbflow.local import delta_sidecar
 from isbflow.local.delta import load_table, table_history
 
 _log = logging.getLogger(__name__)
@@ -295,6 +296,10 @@ def fold_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,
             FOLD_CLAIMED_KEY: ledger.to_metadata(claims.claimed),
             FOLD_FOREIGN_KEY: json.dumps([c.to_json() for c in claims.foreign], separators=(",", ":")),
             FOLD_COMMITS_KEY: str(claims.commits)}
+    big = {k: fold[k] for k in (ledger.FOLD_OFFSETS_KEY, FOLD_CLAIMED_KEY)}
+    if sum(map(len, big.values())) > delta_sidecar.INLINE_BYTES and Path(path).is_dir():
+        # a sink fed by a filtering edge: one range per record; beside the log, not in it
+        fold = {k: v for k, v in fold.items() if k not in big} | delta_sidecar.write(Path(path), str(version), big)
     for attempt in range(1, FOLD_ATTEMPTS + 1):
         try:
             # the fold's commit on the newest table: what it covers is through ``version`` whatever
@@ -320,6 +325,8 @@ def trim_log(path: str, folded_through: int) -> None:
     at = load_table(path, version=folded_through + 1)  # the fold or a commit after V: all before it are folded
     at.create_checkpoint()
     at.cleanup_metadata()
+    if Path(path).is_dir():  # the folds' files no commit of the log names any more
+        delta_sidecar.prune(Path(path), [h.get(delta_sidecar.FILE_KEY) for h in table_history(load_table(path))])
 
 
 def bound_log(path: str, retention_hours: float = DEFAULT_LOG_RETENTION_HOURS, *,

@@ -124,8 +124,16 @@ def _log(path: str) -> list[str]:
     return sorted(os.listdir(os.path.join(path, "_delta_log")))
 
 
-def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
+@pytest.mark.parametrize("beside", [False, True], ids=["fold-in-the-log", "fold-beside-the-log"])
+def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path, monkeypatch, beside):
+    """``beside``: the fold's offsets and claims are kept in a file beside the log (what a sink fed by a
+    filtering edge needs: one range per record), here forced by a threshold of 0 bytes."""
     from deltalake import CommitProperties, write_deltalake
+
+    from isbflow.local import delta_sidecar
+
+    monkeypatch.setattr(delta_sidecar, "INLINE_BYTES", 0 if beside else 10**9)
+    monkeypatch.setattr(delta_sidecar, "PRUNE_AGE_S", 0.0)
 
     from isbflow.sinks.delta_log import FOLD_CLAIMED_KEY, LogRetentionError, bound_log
     from isbflow.sinks.delta_merge import replace_keys
@@ -156,6 +164,8 @@ def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
     assert done.log_files_before == 32 and done.log_files_after == len(_log(path)) == 4, _log(path)
     assert done.folded_through == 32 and _log(path)[:2] == [f"{33:020d}.checkpoint.parquet", f"{33:020d}.json"]
     assert _answers(path) == before  # the same answers from a log of a few files
+    folds = tmp_path / "t" / delta_sidecar.FOLDER
+    assert sorted(os.listdir(folds)) == ["32.json"] if beside else not folds.exists()
 
     for b in range(30, 40):  # the stream goes on; the next maintenance folds on top of the first fold
         commit(opts, b, b * 10 + 1, 9)
@@ -168,11 +178,20 @@ def test_a_bounded_log_keeps_what_the_ledger_basis_and_verify_read(tmp_path):
     assert after[2]["foreign_commits"] == before[2]["foreign_commits"]  # still named, though its entry is gone
     assert len(_log(path)) == 4  # bounded: the same few files after each maintenance
     fold = DeltaTable(path).history()[-1]  # the oldest commit left: the second fold, no files
-    assert fold["operation"] == "WRITE" and FOLD_CLAIMED_KEY in fold and fold["version"] == 45
+    assert fold["operation"] == "WRITE" and fold["version"] == 45
+    assert (FOLD_CLAIMED_KEY not in fold and fold[delta_sidecar.FILE_KEY] == "_isb_fold/44.json") if beside \
+        else FOLD_CLAIMED_KEY in fold
+    if beside:  # the first fold's file went with its commit; the second's is read back in
+        assert sorted(os.listdir(folds)) == ["44.json"]
+        assert len((tmp_path / "t" / "_delta_log" / f"{45:020d}.json").read_bytes()) < 2000
     assert commit(opts, 39, 391, 9).version is None  # a replayed batch is still recognised
 
     with pytest.raises(ledger.LogTruncated, match="read a newer version"):
         ledger.delta_history_until(path, done.version_before)  # a version whose history is gone: loud
+    if beside:  # a fold whose file is gone: loud, never an answer without it
+        (folds / "44.json").unlink()
+        with pytest.raises(delta_sidecar.SidecarMissing, match="44.json.*the fold of version 45"):
+            ledger.from_delta_history(path)
 
 
 def test_a_stream_commit_goes_on_when_maintenance_changes_the_table_properties_meanwhile(tmp_path, monkeypatch):
