@@ -632,7 +632,8 @@ def test_runner_heartbeat_records_the_rate_history(site):
     nats = SyncSession(site.settings)
     try:
         runner = SimpleNamespace(nats=nats, p=SimpleNamespace(name=PIPELINE), metrics=None,
-                                 _refresh_references=lambda vertex: None)  # no reference tables here
+                                 _refresh_references=lambda vertex: None,  # no reference tables here
+                                 autoscaler=SimpleNamespace(look=lambda run: None))  # no scale here
         run = StepRun("beat", status=st.StepStatus("beat", state=st.Observed.RUNNING, input_rows_per_s=50.0,
                                                      processed_rows_per_s=80.0, rows_total=10))
         PipelineRunner._heartbeat(runner, run)
