@@ -23,9 +23,10 @@ What nats-server 2.15.1 does, measured (and what isbflow does about it):
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
+
+from isbflow.spec.paths import private_secret, write_private
 
 #: no encryption at rest
 PLAIN = "none"
@@ -52,17 +53,12 @@ def recorded_cipher(ndir: Path) -> str:
 
 
 def record_cipher(ndir: Path, cipher: str) -> None:
-    _write_private(ndir / MODE_FILE, json.dumps({"cipher": cipher}))
+    write_private(ndir / MODE_FILE, json.dumps({"cipher": cipher}))
 
 
 def key(ndir: Path) -> str:
     """The store's key (``ndir/jetstream.key``, owner-only), generated on first use and kept."""
-    path = ndir / KEY_FILE
-    if path.exists():
-        return path.read_text().strip()
-    value = secrets.token_hex(32)
-    _write_private(path, value)
-    return value
+    return private_secret(ndir / KEY_FILE, lambda: secrets.token_hex(32))
 
 
 def config_line(cipher: str) -> str:
@@ -138,8 +134,3 @@ def wrong_key_message(ndir: Path, errors: list[str]) -> str:
             f"(log: {errors[0].strip()}). Restore the key file they were written with and start again")
 
 
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)

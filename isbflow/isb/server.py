@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -40,7 +39,7 @@ from isbflow.isb import encryption, owners, readiness, roles
 from isbflow.isb.server_config import AUTH_FILE, HOST, node_config
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive
-from isbflow.spec.paths import DataDir, private_dir
+from isbflow.spec.paths import DataDir, private_dir, private_secret, write_private
 
 STATE_FILE = "state.json"
 #: the pipelines granted a user so far (:func:`grant_pipelines`)
@@ -147,13 +146,6 @@ def _node_alive(node: NodeState) -> bool:
     return node.config.encode() in argv
 
 
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
 def nats_dir(data_dir: Path) -> Path:
     return DataDir(data_dir).nats
 
@@ -185,15 +177,6 @@ def check_cluster_size(cluster: int) -> int:
         f"cannot run a cluster of {cluster}: use 1 node, or 3 to {MAX_CLUSTER} "
         "(JetStream needs a majority of nodes up; with 2 nodes losing either stops it)"
     )
-
-
-def _secret(path: Path) -> str:
-    """The secret kept in ``path`` (owner-only), created on first use and kept across restarts."""
-    if path.exists():
-        return path.read_text().strip()
-    value = secrets.token_urlsafe(24)
-    _write_private(path, value)
-    return value
 
 
 PORTS_FILE = "ports.json"
@@ -230,7 +213,7 @@ def _ports(ndir: Path, cluster: int, client_port: int | None) -> list[tuple[int,
         (client_port if (client_port and i == 0) else free_port(), free_port(), free_port() if cluster > 1 else None)
         for i in range(cluster)
     ]
-    _write_private(ndir / PORTS_FILE, json.dumps(ports))
+    write_private(ndir / PORTS_FILE, json.dumps(ports))
     return ports  # type: ignore[return-value]
 
 
@@ -288,7 +271,7 @@ def start_embedded(
         user = roles.ADMIN
         password_file = str(role_password_file(data_dir, user))
         _write_auth(ndir, read_grants(data_dir))
-        route_password = _secret(ndir / "route-password") if cluster > 1 else None
+        route_password = private_secret(ndir / "route-password") if cluster > 1 else None
     stores = [ndir / f"n{i + 1}" / "jetstream" for i in range(cluster)]
     try:
         encryption.check_store(ndir, stores, cipher)
@@ -307,7 +290,7 @@ def start_embedded(
             routes = [p[2] for j, p in enumerate(ports) if j != i and p[2] is not None]
             conf = ndir / f"{name}.conf"
             log = ndir / f"{name}.log"
-            _write_private(conf, node_config(name, cp, hp, rp, routes, store, user, route_password,
+            write_private(conf, node_config(name, cp, hp, rp, routes, store, user, route_password,
                                              max_payload, max_memory_store, max_file_store, tls, log, cipher))
             logged[name] = encryption.log_size(log)
             fd = os.open(ndir / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -323,7 +306,7 @@ def start_embedded(
                             tls=tls is not None, cipher=cipher, start_args=args)
         # Recorded before waiting: if this process dies now, 'isbflow nats down' still finds them.
         state_file = ndir / STATE_FILE
-        _write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
+        write_private(state_file, json.dumps(state.to_json(with_secrets=False), indent=2))
         deadline = time.monotonic() + timeout
         pending = list(nodes)
         while pending:
@@ -429,8 +412,8 @@ def read_grants(data_dir: Path | str) -> list[roles.PipelineGrant]:
 
 
 def _write_auth(ndir: Path, grants: list[roles.PipelineGrant]) -> None:
-    passwords = {u: _secret(_pw_path(ndir, u)) for u in roles.role_permissions(grants)}
-    _write_private(ndir / AUTH_FILE, roles.authorization_block(passwords, grants) + "\n")
+    passwords = {u: private_secret(_pw_path(ndir, u)) for u in roles.role_permissions(grants)}
+    write_private(ndir / AUTH_FILE, roles.authorization_block(passwords, grants) + "\n")
 
 
 def _pw_path(ndir: Path, user: str) -> Path:
@@ -482,7 +465,7 @@ def grant_pipelines(data_dir: Path | str, grants: list[roles.PipelineGrant], tim
         merged.update({g.pipeline: g for g in grants})
         if merged == before and (ndir / AUTH_FILE).exists():
             return True
-        _write_private(ndir / GRANTS_FILE, json.dumps([g.to_json() for g in merged.values()], indent=2))
+        write_private(ndir / GRANTS_FILE, json.dumps([g.to_json() for g in merged.values()], indent=2))
         _write_auth(ndir, list(merged.values()))
     live = [n for n in state.nodes if _node_alive(n)]
     loaded = {n.name: _config_load_time(n.http_port) for n in live}

@@ -31,12 +31,32 @@ local users.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 #: the mode of the data dir and of every folder isbflow creates in it
 PRIVATE_DIR_MODE = 0o700
+
+
+def write_private(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (mode 0600 whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+def private_secret(path: str | os.PathLike, make: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> str:
+    """The secret kept in ``path`` (owner-only), made with ``make`` on first use and kept across restarts."""
+    path = Path(path)
+    if path.exists():
+        return path.read_text().strip()
+    value = make()
+    write_private(path, value)
+    return value
 
 
 def private_dir(path: str | os.PathLike) -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -36,7 +35,7 @@ from redis.exceptions import BusyLoadingError, ConnectionError, ResponseError
 
 from isbflow.local.files import tail
 from isbflow.local.procs import process_alive, process_start
-from isbflow.spec.paths import private_dir
+from isbflow.spec.paths import private_dir, private_secret, write_private
 
 HOST = "127.0.0.1"
 STATE_FILE = "state.json"
@@ -102,21 +101,7 @@ def redis_server_binary() -> str:
     return found
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
-def secret(path: Path) -> str:
-    """The secret kept in ``path`` (owner-only), made on first use and kept across restarts."""
-    if path.exists():
-        return path.read_text().strip()
-    value = secrets.token_urlsafe(24)
-    write_private(path, value)
-    return value
+secret = private_secret  # owner-only, made on first use: as the NATS roles' passwords
 
 
 def free_port() -> int:
