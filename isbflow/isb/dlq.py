@@ -32,7 +32,6 @@ timestamps in ISO 8601, decimals as strings.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as _dt
 import decimal
@@ -41,17 +40,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyWrongLastSequenceError,
-    NoStreamResponseError,
-    NotFoundError,
-)
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, run_with, session
+from isbflow.isb.control import kv as open_kv
 from isbflow.isb.errors import BufferReadError
 from isbflow.isb.frames import HEADER_ROOM, payload_digest
+from isbflow.isb.store import BucketMissing
 
 if TYPE_CHECKING:
     import nats.js
@@ -250,32 +246,21 @@ def dead_frames_key(vertex: str) -> str:
 async def dead_frames(nc, pipeline: str, vertex: str) -> int:
     """How many frames ``vertex`` dead-lettered on read so far (0 when none, or no status bucket)."""
     try:
-        kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
-        entry = await kv.get(dead_frames_key(vertex))
-    except (BucketNotFoundError, NotFoundError):
+        kv = await open_kv(nc, naming.status_bucket(pipeline))
+        raw = await kv.get(dead_frames_key(vertex))
+    except BucketMissing:
         return 0
     try:
-        return int(entry.value or 0)
+        return int(raw or 0)
     except ValueError:
         return 0
 
 
 async def add_dead_frames(nc, pipeline: str, vertex: str, n: int) -> None:
-    """Add ``n`` to :func:`dead_frames` (compare-and-set: tasks of one step may add at once)."""
-    kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
-    key = dead_frames_key(vertex)
-    for _ in range(100):
-        try:
-            entry = await kv.get(key)
-        except NotFoundError:  # missing or deleted
-            entry = None
-        try:
-            if entry is None:
-                await kv.create(key, str(n).encode())
-            else:
-                await kv.update(key, str(int(entry.value or 0) + n).encode(), last=entry.revision)
-            return
-        except KeyWrongLastSequenceError:
-            await asyncio.sleep(0.01)
-    raise BufferReadError(f"could not count {n} dead-lettered frame(s) of step {vertex}: the status key "
-                          f"{key} kept changing")
+    """Add ``n`` to :func:`dead_frames` (atomically: tasks of one step may add at once)."""
+    kv = await open_kv(nc, naming.status_bucket(pipeline))
+    try:
+        await kv.add(dead_frames_key(vertex), n)
+    except TimeoutError:
+        raise BufferReadError(f"could not count {n} dead-lettered frame(s) of step {vertex}: the status key "
+                              f"{dead_frames_key(vertex)} kept changing") from None

@@ -27,8 +27,8 @@ and ``routed``. Every reader already counts
 dead letters as committed (:func:`low_offsets`; quality subtracts them from what
 a sink must hold), so the folded form answers them the same. What stays is one
 range per *open* gap (records in flight) or gap that is not a dead letter (a
-transform that drops records). An entry that still does not fit in one NATS
-message raises :class:`isbflow.isb.errors.LedgerFull`, which fails the sink's
+transform that drops records). An entry that still does not fit in one value of
+the store (a NATS message) raises :class:`isbflow.isb.errors.LedgerFull`, which fails the sink's
 step: a ledger must never silently stop advancing.
 
 **A bounded log.** Sink maintenance (:mod:`isbflow.sinks.delta_log`) removes old
@@ -68,18 +68,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
-from nats.errors import MaxPayloadError
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyDeletedError,
-    KeyNotFoundError,
-    NoKeysError,
-    NotFoundError,
-)
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import run_kept
+from isbflow.isb.control import kv as open_kv
 from isbflow.isb.dlq import dead_letter_origins
 from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, used through this module too
@@ -95,6 +88,7 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
     union,
 )
 from isbflow.isb.read import stream_state
+from isbflow.isb.store import BucketMissing, ValueTooLarge
 
 ID_COLUMN = "_isb_id"
 OFFSETS_KEY = "isb.offsets"
@@ -103,8 +97,6 @@ FOLD_THROUGH_KEY = "isb.fold.through"
 FOLD_OFFSETS_KEY = "isb.fold.offsets"
 #: an entry with more ranges than this has its dead-lettered gaps folded in (module docstring)
 FOLD_AT = 64
-#: bytes of a NATS message a KV put needs besides the value (subject, headers)
-PUT_HEADROOM = 1024
 
 
 def to_metadata(ranges: PartitionRanges) -> str:
@@ -189,11 +181,7 @@ def routed_key(sink: str, partition: str) -> str:
 
 async def entry_ranges(kv, key: str) -> Ranges:
     """The ``ranges`` of a ledger KV entry (``[]`` when it is missing)."""
-    try:
-        entry = await kv.get(key)
-    except (KeyNotFoundError, NotFoundError):
-        return []
-    return normalize(json.loads(entry.value or b"{}").get("ranges", []))
+    return normalize(json.loads(await kv.get(key) or b"{}").get("ranges", []))
 
 
 def fold_dead(ranges: Ranges, dead: Ranges) -> tuple[Ranges, int]:
@@ -211,19 +199,15 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
     """Add ``ranges`` to what the ledger holds for ``sink``; return the new totals (per partition given).
 
     Folds dead-lettered gaps when an entry has grown (module docstring). Raises
-    :class:`~isbflow.isb.errors.LedgerFull` when an entry cannot fit in one NATS message.
+    :class:`~isbflow.isb.errors.LedgerFull` when an entry is larger than the store takes in one value.
     """
-    kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
-    limit = max(1, (nc.max_payload or 1024 * 1024) - PUT_HEADROOM)
+    kv = await open_kv(nc, naming.ledger_bucket(pipeline))
+    limit = kv.max_value
     dead: PartitionRanges | None = None  # read once, when an entry needs folding
     out: PartitionRanges = {}
     for part, rs in ranges.items():
         key = ledger_key(sink, part)
-        try:
-            entry = await kv.get(key)
-            held = json.loads(entry.value or b"{}")
-        except (KeyNotFoundError, NotFoundError):
-            held = {}
+        held = json.loads(await kv.get(key) or b"{}")
         merged = normalize([*held.get("ranges", []), *rs])
         folded, kept, routed = int(held.get("dead", 0)), int(held.get("kept", 0)), int(held.get("routed", 0))
         if len(merged) > max(FOLD_AT, 2 * kept):
@@ -239,7 +223,7 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
             raise LedgerFull(key, len(value), limit, len(merged))
         try:
             await kv.put(key, value)
-        except MaxPayloadError:
+        except ValueTooLarge:
             raise LedgerFull(key, len(value), limit, len(merged)) from None
         out[part] = merged
     return out
@@ -248,11 +232,10 @@ async def record(nc, pipeline: str, sink: str, ranges: PartitionRanges) -> Parti
 async def read(nc, pipeline: str, kind: str = "sink") -> dict[str, PartitionRanges]:
     """The whole ledger: sink -> partition -> ranges (``{}`` when the bucket is empty or missing);
     ``kind="routed"``: the offsets routed away from each sink instead (:mod:`isbflow.isb.routed`)."""
-    bucket = naming.ledger_bucket(pipeline)
     try:
-        kv = await nc.jetstream().key_value(bucket)
-        keys = await bucket_keys(nc, bucket)
-    except (BucketNotFoundError, NoKeysError, NotFoundError):
+        kv = await open_kv(nc, naming.ledger_bucket(pipeline))
+        keys = await kv.keys()
+    except BucketMissing:
         return {}
     out: dict[str, PartitionRanges] = {}
     for key in keys:
@@ -260,24 +243,12 @@ async def read(nc, pipeline: str, kind: str = "sink") -> dict[str, PartitionRang
         if len(parts) < 4 or parts[0] != kind:
             continue
         sink, source, index = parts[1], ".".join(parts[2:-1]), parts[-1]
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):  # deleted or purged: its subject keeps a marker
+        raw = await kv.get(key)
+        if raw is None:  # deleted or purged: JetStream keeps a marker on its subject
             continue
-        ranges = json.loads(entry.value or b"{}").get("ranges", [])
+        ranges = json.loads(raw or b"{}").get("ranges", [])
         out.setdefault(sink, {})[f"{source}/{index}"] = normalize(ranges)
     return out
-
-
-async def bucket_keys(nc, bucket: str) -> list[str]:
-    """The keys of KV ``bucket`` that hold a message, from its stream's subjects (``STREAM.INFO``
-    with a subjects filter), deleted ones included (their marker). nats-py's ``KeyValue.keys()``
-    lists them through an ordered watcher that stops at the first delivery reporting nothing
-    pending, and it has come back short: CI once read a ledger without a sink whose four
-    commits had each recorded their offsets (no failure logged)."""
-    prefix = f"$KV.{bucket}."
-    info = await nc.jetstream().stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
-    return sorted(s[len(prefix):] for s in (info.state.subjects or {}))
 
 
 def record_sync(settings, pipeline: str, sink: str, ranges: PartitionRanges) -> None:

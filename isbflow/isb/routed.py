@@ -37,15 +37,13 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from nats.errors import MaxPayloadError
-from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb.connect import run_kept
+from isbflow.isb.control import kv as open_kv
 from isbflow.isb.errors import LedgerFull
 from isbflow.isb.ledger import (
     FOLD_AT,
-    PUT_HEADROOM,
     entry_ranges,
     fold_dead,
     ledger_key,
@@ -53,6 +51,7 @@ from isbflow.isb.ledger import (
     routed_key,
 )
 from isbflow.isb.ranges import PartitionRanges, difference, id_ranges, normalize, union
+from isbflow.isb.store import ValueTooLarge
 
 
 def routed_away(ids: pa.Array | pa.ChunkedArray, taken: pa.Array) -> PartitionRanges:
@@ -71,17 +70,13 @@ def routed_away(ids: pa.Array | pa.ChunkedArray, taken: pa.Array) -> PartitionRa
 async def record_routed(nc, pipeline: str, sinks: Iterable[str], ranges: PartitionRanges) -> None:
     """Add ``ranges`` to the routed entries of each of ``sinks`` (module docstring); an entry that
     has grown folds in the sink's own ranges inside its span. Raises
-    :class:`~isbflow.isb.errors.LedgerFull` when an entry cannot fit in one NATS message."""
-    kv = await nc.jetstream().key_value(naming.ledger_bucket(pipeline))
-    limit = max(1, (nc.max_payload or 1024 * 1024) - PUT_HEADROOM)
+    :class:`~isbflow.isb.errors.LedgerFull` when an entry is larger than the store takes in one value."""
+    kv = await open_kv(nc, naming.ledger_bucket(pipeline))
+    limit = kv.max_value
     for sink in sinks:
         for part, rs in ranges.items():
             key = routed_key(sink, part)
-            try:
-                entry = await kv.get(key)
-                held = json.loads(entry.value or b"{}")
-            except (KeyNotFoundError, NotFoundError):
-                held = {}
+            held = json.loads(await kv.get(key) or b"{}")
             merged = normalize([*held.get("ranges", []), *rs])
             kept = int(held.get("kept", 0))
             if len(merged) > max(FOLD_AT, 2 * kept):
@@ -93,7 +88,7 @@ async def record_routed(nc, pipeline: str, sinks: Iterable[str], ranges: Partiti
                 raise LedgerFull(key, len(value), limit, len(merged))
             try:
                 await kv.put(key, value)
-            except MaxPayloadError:
+            except ValueTooLarge:
                 raise LedgerFull(key, len(value), limit, len(merged)) from None
 
 

@@ -13,8 +13,9 @@
   - ``rates.<vertex>``: the step's rates over the last hour, one point per minute
     (:func:`record_rates`, written with every heartbeat; read by the Airflow UI plugin).
 
-Keys and values are plain text/JSON so any NATS client (``nats kv get``) can
-read them.
+Keys and values are plain text/JSON so any client of the store (``nats kv get``, ``redis-cli
+HGET``) can read them. The buckets are reached through :func:`isbflow.isb.control.kv`, so the
+same code serves every store.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from __future__ import annotations
 import json
 import math
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, NotFoundError
-
 from isbflow.isb import naming
+from isbflow.isb.control import kv as _kv
 
 
 class Desired(StrEnum):
@@ -93,27 +92,6 @@ class StepStatus:
         return (now or time.time()) - self.updated_at
 
 
-#: per connection, the bucket handles asked for so far: ``key_value`` asks the server for the bucket's
-#: stream (a round trip), and a runner's loop reads or writes these buckets for every step on each
-#: heartbeat; a handle is only the stream's name and options, good for the connection's life
-_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-async def _kv(nc, bucket: str):
-    handles = _handles.setdefault(nc, {})
-    if bucket not in handles:
-        handles[bucket] = await nc.jetstream().key_value(bucket)
-    return handles[bucket]
-
-
-async def _get(kv, key: str) -> bytes | None:
-    try:
-        entry = await kv.get(key)
-    except (KeyNotFoundError, NotFoundError):
-        return None
-    return entry.value
-
-
 async def set_desired(nc, pipeline: str, vertex: str, desired: Desired) -> None:
     kv = await _kv(nc, naming.control_bucket(pipeline))
     await kv.put(vertex, desired.value.encode())
@@ -121,7 +99,7 @@ async def set_desired(nc, pipeline: str, vertex: str, desired: Desired) -> None:
 
 async def get_desired(nc, pipeline: str, vertex: str) -> Desired:
     kv = await _kv(nc, naming.control_bucket(pipeline))
-    raw = await _get(kv, vertex)
+    raw = await kv.get(vertex)
     return Desired(raw.decode()) if raw else Desired.RUNNING
 
 
@@ -133,7 +111,7 @@ async def put_status(nc, pipeline: str, status: StepStatus) -> None:
 
 async def get_status(nc, pipeline: str, vertex: str) -> StepStatus | None:
     kv = await _kv(nc, naming.status_bucket(pipeline))
-    raw = await _get(kv, f"step.{vertex}")
+    raw = await kv.get(f"step.{vertex}")
     return StepStatus.from_json(json.loads(raw)) if raw else None
 
 
@@ -153,7 +131,7 @@ async def put_committed(nc, pipeline: str, vertex: str, offsets: dict[str, int])
 
 async def get_committed(nc, pipeline: str, vertex: str, stream: str) -> int | None:
     kv = await _kv(nc, naming.status_bucket(pipeline))
-    raw = await _get(kv, committed_key(vertex, stream))
+    raw = await kv.get(committed_key(vertex, stream))
     return int(raw) if raw else None
 
 
@@ -164,16 +142,13 @@ async def put_drain_point(nc, pipeline: str, vertex: str, offsets: dict[str, Any
 
 async def get_drain_point(nc, pipeline: str, vertex: str) -> dict[str, Any] | None:
     kv = await _kv(nc, naming.status_bucket(pipeline))
-    raw = await _get(kv, f"drain.{vertex}")
+    raw = await kv.get(f"drain.{vertex}")
     return json.loads(raw) if raw else None
 
 
 async def clear_drain_point(nc, pipeline: str, vertex: str) -> None:
     kv = await _kv(nc, naming.status_bucket(pipeline))
-    try:
-        await kv.delete(f"drain.{vertex}")
-    except (KeyNotFoundError, NotFoundError):
-        pass
+    await kv.delete(f"drain.{vertex}")
 
 
 # ------------------------------------------------------------------ rate history
@@ -201,7 +176,7 @@ async def record_rates(nc, pipeline: str, status: StepStatus, now: float | None 
     now = time.time() if now is None else now
     kv = await _kv(nc, naming.status_bucket(pipeline))
     key = rates_key(status.vertex)
-    raw = await _get(kv, key)
+    raw = await kv.get(key)
     try:
         history: list[dict[str, float]] = json.loads(raw) if raw else []
     except ValueError:  # a value no reader could use: start over rather than stop the heartbeat
@@ -229,7 +204,7 @@ async def record_rates(nc, pipeline: str, status: StepStatus, now: float | None 
 async def get_rates(nc, pipeline: str, vertex: str) -> list[dict[str, float]]:
     """The step's rate history (see :func:`record_rates`), oldest first; empty when none."""
     kv = await _kv(nc, naming.status_bucket(pipeline))
-    raw = await _get(kv, rates_key(vertex))
+    raw = await kv.get(rates_key(vertex))
     try:
         return json.loads(raw) if raw else []
     except ValueError:

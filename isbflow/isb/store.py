@@ -91,6 +91,19 @@ class Incarnation:
 
 
 @dataclass(frozen=True)
+class BufferInfo:
+    """A buffer partition's state at one instant, in integer offsets (JetStream's stream
+    sequences; Redis entry ids ``0-<n>``): the first offset held (``last + 1`` when it holds none),
+    the last offset ever written (0 when none), how many frames it holds, and its incarnation."""
+
+    stream: str
+    incarnation: str
+    first: int
+    last: int
+    messages: int
+
+
+@dataclass(frozen=True)
 class ReaderPosition(Generic[Offset]):
     """What a reader has seen of a buffer: the incarnation and the last offset it read."""
 
@@ -162,6 +175,67 @@ class BufferReleaser(Protocol[Offset]):
         """Remove the frames with offset ``<= upto`` (called only after the downstream commit that
         covers them; never by the reader); how many were removed. Idempotent. With
         ``incarnation``, removes nothing when the buffer has since become another incarnation."""
+        ...
+
+
+class BucketMissing(LookupError):
+    """A key-value bucket the store does not have (JetStream: never provisioned or deleted)."""
+
+    def __init__(self, bucket: str):
+        super().__init__(bucket)
+        self.bucket = bucket
+
+    def __str__(self) -> str:
+        return f"key-value bucket {self.bucket} does not exist: provision the pipeline's ISB service first"
+
+
+class ValueTooLarge(ValueError):
+    """A value larger than the store takes in one key (JetStream: the server's ``max_payload``)."""
+
+    def __init__(self, bucket: str, key: str, size: int, limit: int):
+        super().__init__(bucket, key, size, limit)
+        self.bucket, self.key, self.size, self.limit = bucket, key, size, limit
+
+    def __str__(self) -> str:
+        return f"{self.bucket}/{self.key}: a value of {self.size} bytes is over the store's limit of {self.limit}"
+
+
+class KeyValue(Protocol):
+    """One key-value bucket: the control (desired state), status, ledger and reference-table
+    stores are buckets (:mod:`isbflow.isb.naming`). Keys are dot-separated words; values bytes."""
+
+    bucket: str
+    #: the largest value :meth:`put` takes, in bytes
+    max_value: int
+
+    async def get(self, key: str) -> bytes | None:
+        """The key's value; None when it has none (never put, or deleted)."""
+        ...
+
+    async def put(self, key: str, value: bytes) -> None:
+        """Set the key's value (last writer wins). Raises :class:`ValueTooLarge` over :attr:`max_value`."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove the key's value; a key without one is left as it is."""
+        ...
+
+    async def keys(self) -> list[str]:
+        """Every key holding a value, sorted."""
+        ...
+
+    async def add(self, key: str, n: int) -> int:
+        """Add ``n`` to the integer the key holds (0 when it has none), atomically against other
+        adders; the new value."""
+        ...
+
+
+class ControlStore(Protocol):
+    """Where a store keeps its key-value buckets."""
+
+    async def kv(self, bucket: str) -> KeyValue:
+        """The bucket; raises :class:`BucketMissing` when the store requires buckets to be made
+        first (JetStream) and this one was not."""
         ...
 
 

@@ -40,7 +40,7 @@ def test_fold_dead_fills_only_dead_lettered_gaps_inside_the_span():
 
 
 def test_a_read_lists_every_sink_and_partition_of_the_bucket(nats_server):
-    """ledger.read takes the keys from the bucket's stream subjects (ledger.bucket_keys), not
+    """ledger.read takes the keys from the bucket's stream subjects (isb.jetstream.kv), not
     nats-py's watcher: every sink and partition recorded comes back, a deleted key does not, and
     an empty or missing bucket reads as nothing."""
     sinks, parts = [f"s{i}" for i in range(6)], [f"in/{p}" for p in range(3)] + ["other.src/0"]
