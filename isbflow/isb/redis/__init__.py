@@ -1,10 +1,11 @@
 """Redis Streams as an inter-step buffer store (the second store beside JetStream).
 
 A buffer partition is one Redis stream key; a frame (the Arrow IPC bytes of
-:mod:`isbflow.isb.frames`) is one entry; an offset is the entry id, an
-:class:`~isbflow.isb.redis.keys.EntryId` ordered as Redis orders them. Redis has no
-duplicates window, so each write runs one Lua script that appends a frame only when its
-frame id is not yet recorded and records it with the entry, atomically
+:mod:`isbflow.isb.frames`) is one entry; an offset is an integer, as JetStream's stream
+sequences: entry ``0-<n>`` is offset ``n``, counting from 1 (:mod:`~isbflow.isb.redis.keys`),
+so the layers above (the connector's offsets, the ledger's ranges, recovery) read both stores
+alike. Redis has no duplicates window, so each write runs one Lua script that appends a frame
+only when its frame id is not yet recorded and records it with the entry, atomically
 (:mod:`isbflow.isb.redis.scripts`): a retried or re-executed write stores nothing twice.
 Every partition has an incarnation key, so a flushed, restarted-without-persistence or
 failed-over server reads as buffer loss, never as an empty buffer.

@@ -42,9 +42,9 @@ PRODUCER = roles.PRODUCER
 pipeline_user = roles.pipeline_user
 
 #: what the write script (:data:`isbflow.isb.redis.scripts.WRITE`) runs, and how it is called
-WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hset", "xlen", "xadd", "zscore", "zadd")
+WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hget", "hset", "xlen", "xadd", "zscore", "zadd")
 #: a pipeline's drivers: writing, the read, release, state and create scripts
-PIPELINE_COMMANDS = (*WRITE_COMMANDS, "hget", "hgetall", "hincrby", "xrange", "xtrim", "xinfo|stream",
+PIPELINE_COMMANDS = (*WRITE_COMMANDS, "hgetall", "hincrby", "xrange", "xtrim", "xinfo|stream",
                      "zremrangebyscore", "zcard")
 
 

@@ -5,17 +5,22 @@
 - **Write** (:meth:`RedisBuffer.write`): frames go in calls of at most :data:`CALL_FRAMES`
   frames and :data:`CALL_BYTES` bytes, each one run of :data:`isbflow.isb.redis.scripts.WRITE`:
   a frame whose id the dedup index holds is a duplicate and appends nothing; otherwise it is
-  appended and its id recorded, in the same step. The ids stay in the index until their frames
-  are released *and* ``dedup_window`` seconds old (JetStream's duplicates window, default two
-  minutes), so a fresh writer re-sending a batch after a crash stores nothing twice.
+  appended at the next integer offset (entry ``0-<n>``, :mod:`isbflow.isb.redis.keys`) and its
+  id recorded, in the same step. The ids stay in the index until their frames are released *and*
+  ``dedup_window`` seconds old (JetStream's duplicates window, default two minutes), so a fresh
+  writer re-sending a batch after a crash stores nothing twice.
 - **Back-pressure**: with a ``capacity``, a frame is refused while the stream holds that many
   entries (entries leave only by release, i.e. once committed downstream):
   :class:`isbflow.isb.store.BufferFull`, after the frames before it were stored.
-- **Read** (:meth:`RedisBuffer.read`): ``XRANGE`` of an entry-id range, at most ``limit`` entries,
+- **Read** (:meth:`RedisBuffer.read`): ``XRANGE`` of an offset range, at most ``limit`` entries,
   with the incarnation read in the same step; nothing is removed.
 - **Release** (:meth:`RedisBuffer.release`): ``XTRIM MINID`` past ``upto``, the count recorded with
   the incarnation (so removals nobody released are told apart), and the dedup index trimmed.
 - **Loss** (:meth:`RedisBuffer.check`): :func:`isbflow.isb.redis.loss.judge` on the state.
+- **State** (:meth:`RedisBuffer.state`): first and last offsets, entries held and incarnation, as
+  :class:`isbflow.isb.store.BufferInfo` (JetStream's stream state, in the same integers).
+
+Offsets are ``int`` at every method; :class:`isbflow.isb.redis.keys.EntryId` is only the wire form.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Any
 
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.redis import scripts
-from isbflow.isb.redis.keys import ZERO, BufferKeys, EntryId
+from isbflow.isb.redis.keys import BufferKeys, EntryId, offset_of
 from isbflow.isb.redis.loss import BufferState, judge
 from isbflow.isb.store import (
     BufferFull,
+    BufferInfo,
     Incarnation,
     Loss,
     OutFrame,
@@ -96,9 +102,9 @@ class RedisBuffer:
         await self.client.delete(*self.keys.all)
 
     # -- BufferWriter
-    async def write(self, frames: Sequence[OutFrame]) -> list[Written[EntryId]]:
+    async def write(self, frames: Sequence[OutFrame]) -> list[Written[int]]:
         """Append ``frames`` in order, idempotently (:meth:`isbflow.isb.store.BufferWriter.write`)."""
-        out: list[Written[EntryId]] = []
+        out: list[Written[int]] = []
         start = 0
         while start < len(frames):
             end, size = start + 1, len(frames[start].payload)
@@ -114,52 +120,61 @@ class RedisBuffer:
                 if r == "full":
                     raise BufferFull(self.stream, self.capacity or 0, stored=out)
                 out.append(Written(f.frame_id, None, True) if r == "dup"
-                           else Written(f.frame_id, EntryId.parse(r), False))
+                           else Written(f.frame_id, offset_of(r), False))
             start = end
         return out
 
     # -- BufferReader
-    async def read(self, after: EntryId | None, upto: EntryId | None, limit: int,
-                   incarnation: str | None = None) -> list[StoredFrame[EntryId]]:
-        """At most ``limit`` frames with ``after < id <= upto`` (:meth:`isbflow.isb.store.BufferReader.read`)."""
+    async def read(self, after: int | None, upto: int | None, limit: int,
+                   incarnation: str | None = None) -> list[StoredFrame[int]]:
+        """At most ``limit`` frames with ``after < offset <= upto`` (:meth:`isbflow.isb.store.BufferReader.read`)."""
         if limit < 1:
             return []
-        start = "-" if after is None else f"({after}"
-        end = "+" if upto is None else str(upto)
+        start = "-" if after is None else f"({EntryId.of(after)}"
+        end = "+" if upto is None else str(EntryId.of(upto))
         inc, entries = await scripts.run(self.client, scripts.READ, self.keys.all, [start, end, limit])
         if incarnation is not None and (inc is None or _text(inc) != incarnation):
-            first = (after or ZERO).after()
+            first = (after or 0) + 1
             why = ("its incarnation is gone (the keys were flushed, or the server restarted without persistence)"
                    if inc is None else f"it was recreated (incarnation {incarnation} is gone, now {_text(inc)})")
-            raise BufferLost(self.stream, first, None, why)  # type: ignore[arg-type]  # entry ids, not sequences
+            raise BufferLost(self.stream, first, None, why)
         frames = []
         for entry_id, flat in entries:
             f = _fields(flat)
-            frames.append(StoredFrame(EntryId.parse(entry_id), _text(f.get(b"id", b"")), bytes(f.get(b"f", b"")),
+            frames.append(StoredFrame(offset_of(entry_id), _text(f.get(b"id", b"")), bytes(f.get(b"f", b"")),
                                       int(f.get(b"rows", 0))))
         return frames
 
     # -- BufferReleaser
-    async def release(self, upto: EntryId, incarnation: str | None = None) -> int:
-        """Remove the frames with id ``<= upto`` (:meth:`isbflow.isb.store.BufferReleaser.release`)."""
+    async def release(self, upto: int, incarnation: str | None = None) -> int:
+        """Remove the frames with offset ``<= upto`` (:meth:`isbflow.isb.store.BufferReleaser.release`)."""
         n = await scripts.run(self.client, scripts.RELEASE, self.keys.all,
-                              [str(upto), incarnation or "", int(self.dedup_window * 1000)])
+                              [int(upto), incarnation or "", int(self.dedup_window * 1000)])
         return max(0, int(n))
 
     # -- LossDetector
-    async def state(self) -> BufferState:
-        """The partition's incarnation and stream counters, read in one step."""
+    async def snapshot(self) -> BufferState:
+        """The partition's incarnation, stream counters and dedup index size, read in one step."""
         inc, info, ids = await scripts.run(self.client, scripts.STATE, self.keys.all, [])
         return BufferState.of(_fields(inc), _fields(info) if info else None, int(ids))
 
     async def incarnation(self) -> Incarnation | None:
-        return (await self.state()).incarnation
+        return (await self.snapshot()).incarnation
 
-    async def check(self, seen: ReaderPosition[EntryId]) -> Loss[EntryId] | None:
+    async def check(self, seen: ReaderPosition[int]) -> Loss[int] | None:
         """The loss a reader at ``seen`` suffered (:func:`isbflow.isb.redis.loss.judge`), or None."""
-        return judge(self.stream, await self.state(), seen)
+        return judge(self.stream, await self.snapshot(), seen)
+
+    async def state(self) -> BufferInfo | None:
+        """First and last offset, entries held and incarnation (:class:`isbflow.isb.store.BufferInfo`);
+        None when the partition has no incarnation (never created or written, or wiped)."""
+        st = await self.snapshot()
+        if st.incarnation is None:
+            return None
+        first = st.first if st.first is not None else st.last_generated + 1
+        return BufferInfo(self.stream, st.incarnation.id, first, st.last_generated, st.length)
 
     async def sizes(self) -> BufferSizes:
         """Entries in the stream and ids in the dedup index (both bounded by releases)."""
-        st = await self.state()
+        st = await self.snapshot()
         return BufferSizes(st.length, st.ids)

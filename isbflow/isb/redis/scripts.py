@@ -20,65 +20,80 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-# Shared Lua: the server's clock in ms, entry ids compared as (ms, seq), and the incarnation made
-# when it is missing (ARGV[1] of every writing script is a fresh random id for that case).
+# Shared Lua: the server's clock in ms, integers as Redis arguments, and the incarnation made when
+# it is missing (ARGV[1] of every writing script is a fresh random id for that case).
 _COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function id_ms(id) return tonumber(string.match(id, '^(%d+)')) end
-local function id_less(a, b)
-  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
-  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
-  ams, aseq, bms, bseq = tonumber(ams), tonumber(aseq), tonumber(bms), tonumber(bseq)
-  return ams < bms or (ams == bms and aseq < bseq)
+local function int(n) return string.format('%d', n) end
+local function ensure_incarnation(new_id)
+  if redis.call('EXISTS', KEYS[3]) == 0 then
+    redis.call('HSET', KEYS[3], 'id', new_id, 'created', int(now_ms()), 'released', 0, 'released_to', 0,
+               'wrote_at', 0)
+  end
 end
 """
 
 #: KEYS stream, ids, inc. ARGV: new incarnation id, capacity (0: none), then (frame id, rows, payload)
-#: per frame. Returns one reply per frame in order: the entry id, ``dup`` (the id is recorded), or a
-#: last ``full`` (refused at capacity; the frames after it are not tried).
+#: per frame. Returns one reply per frame in order: the entry id (``0-<offset>``), ``dup`` (the id is
+#: recorded), or a last ``full`` (refused at capacity; the frames after it are not tried). Entries
+#: are appended with ``0-*`` (consecutive offsets from 1) and stamped with the write time ``t``: the
+#: server's clock, never below the last write's (``wrote_at``), so write times follow offsets even
+#: when the clock steps back; the dedup index scores each id with it (see :data:`RELEASE`).
 WRITE = _COMMON + """
-if redis.call('EXISTS', KEYS[3]) == 0 then
-  redis.call('HSET', KEYS[3], 'id', ARGV[1], 'created', now_ms(), 'released', 0, 'released_to', '0-0')
-end
+ensure_incarnation(ARGV[1])
 local cap = tonumber(ARGV[2])
 local len = redis.call('XLEN', KEYS[1])
-local out = {}
+local t = int(math.max(now_ms(), tonumber(redis.call('HGET', KEYS[3], 'wrote_at')) or 0))
+local out, wrote = {}, false
 for i = 3, #ARGV, 3 do
   local fid = ARGV[i]
   if redis.call('ZSCORE', KEYS[2], fid) then
     out[#out + 1] = 'dup'
   elseif cap > 0 and len >= cap then
     out[#out + 1] = 'full'
-    return out
+    break
   else
-    local id = redis.call('XADD', KEYS[1], '*', 'id', fid, 'rows', ARGV[i + 1], 'f', ARGV[i + 2])
-    redis.call('ZADD', KEYS[2], id_ms(id), fid)
+    out[#out + 1] = redis.call('XADD', KEYS[1], '0-*', 'id', fid, 'rows', ARGV[i + 1], 'f', ARGV[i + 2], 't', t)
+    redis.call('ZADD', KEYS[2], t, fid)
     len = len + 1
-    out[#out + 1] = id
+    wrote = true
   end
 end
+if wrote then redis.call('HSET', KEYS[3], 'wrote_at', t) end
 return out
 """
 
-#: KEYS stream, ids, inc. ARGV: upto (entry id, released inclusive), the expected incarnation id
-#: ('' = any), the dedup window in ms. Returns the entries removed, or -1 when the incarnation is not
-#: the expected one (nothing removed). Frame ids are dropped from the index once their entries are
-#: released AND older than the window, so a retry within the window still finds them.
+#: KEYS stream, ids, inc. ARGV: upto (an integer offset, released inclusive), the expected incarnation
+#: id ('' = any), the dedup window in ms. Returns the entries removed, or -1 when the incarnation is not
+#: the expected one (nothing removed). Then frame ids written before ``cut`` leave the index, ``cut``
+#: being the earlier of now minus the window and the write time of the first entry the stream still
+#: holds: an id stays while its entry is unreleased (write times follow offsets, :data:`WRITE`) and,
+#: released, for the window after its write, so a retry within the window still finds it. An entry
+#: without a write time holds every id.
 RELEASE = _COMMON + """
 local inc = redis.call('HGET', KEYS[3], 'id')
 if ARGV[2] ~= '' and inc ~= ARGV[2] then return -1 end
-local ms, seq = string.match(ARGV[1], '^(%d+)-(%d+)$')
-local n = redis.call('XTRIM', KEYS[1], 'MINID', ms .. '-' .. string.format('%d', tonumber(seq) + 1))
+local upto = tonumber(ARGV[1])
+local n = redis.call('XTRIM', KEYS[1], 'MINID', '0-' .. int(upto + 1))
 if inc then
   redis.call('HINCRBY', KEYS[3], 'released', n)
-  local before = redis.call('HGET', KEYS[3], 'released_to') or '0-0'
-  if id_less(before, ARGV[1]) then redis.call('HSET', KEYS[3], 'released_to', ARGV[1]) end
+  if (tonumber(redis.call('HGET', KEYS[3], 'released_to')) or 0) < upto then
+    redis.call('HSET', KEYS[3], 'released_to', int(upto))
+  end
 end
-local cut = math.min(tonumber(ms), now_ms() - tonumber(ARGV[3]))
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%d', cut))
+local cut = now_ms() - tonumber(ARGV[3])
+local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if head then
+  local t = 0
+  for i = 1, #head[2], 2 do
+    if head[2][i] == 't' then t = tonumber(head[2][i + 1]) or 0 end
+  end
+  cut = math.min(cut, t)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. int(cut))
 return n
 """
 
@@ -88,19 +103,32 @@ READ = """
 return {redis.call('HGET', KEYS[3], 'id'), redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', ARGV[3])}
 """
 
-#: KEYS stream, ids, inc. Returns {incarnation hash as a flat list, XINFO STREAM as a flat list or nil,
-#: the dedup index's size}: everything loss detection and sizing need, from one instant.
+#: KEYS stream, ids, inc. Returns {incarnation hash as a flat list, the stream's ``length``,
+#: ``entries-added``, ``last-generated-id`` and ``first-entry`` (its id only, absent when empty) as a
+#: flat list, or nil without a stream key, the dedup index's size}: everything loss detection and
+#: sizing need, from one instant, without sending any frame's bytes.
 STATE = """
-local info = false
-if redis.call('EXISTS', KEYS[1]) == 1 then info = redis.call('XINFO', 'STREAM', KEYS[1]) end
-return {redis.call('HGETALL', KEYS[3]), info, redis.call('ZCARD', KEYS[2])}
+local s = false
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  s = {}
+  for i = 1, #info, 2 do
+    local k, v = info[i], info[i + 1]
+    if k == 'length' or k == 'entries-added' or k == 'last-generated-id' then
+      s[#s + 1] = k
+      s[#s + 1] = v
+    elseif k == 'first-entry' and v then
+      s[#s + 1] = k
+      s[#s + 1] = v[1]
+    end
+  end
+end
+return {redis.call('HGETALL', KEYS[3]), s, redis.call('ZCARD', KEYS[2])}
 """
 
 #: KEYS stream, ids, inc. ARGV: new incarnation id. Makes the incarnation when missing; returns its id.
 CREATE = _COMMON + """
-if redis.call('EXISTS', KEYS[3]) == 0 then
-  redis.call('HSET', KEYS[3], 'id', ARGV[1], 'created', now_ms(), 'released', 0, 'released_to', '0-0')
-end
+ensure_incarnation(ARGV[1])
 return redis.call('HGET', KEYS[3], 'id')
 """
 

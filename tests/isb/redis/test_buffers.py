@@ -9,17 +9,10 @@ import pytest
 
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.redis.buffers import RedisBuffer, capacity
-from isbflow.isb.redis.keys import BufferKeys, EntryId
-from isbflow.isb.store import BufferFull, OutFrame, write_until_stored
-from tests.helpers.redis_server import running_redis
+from isbflow.isb.redis.keys import BufferKeys
+from isbflow.isb.store import BufferFull, BufferInfo, OutFrame, write_until_stored
 
 STREAM = "isb-p-a-b-0"
-
-
-@pytest.fixture
-def redis_server():
-    with running_redis() as r:
-        yield r
 
 
 def frames(n: int, start: int = 0, size: int = 64) -> list[OutFrame]:
@@ -45,7 +38,7 @@ def test_a_second_write_of_the_same_frames_stores_them_once(redis_server):
     assert [w.duplicate for w in again] == [True] * 5
     assert [f.frame_id for f in got] == [f.frame_id for f in frames(5)]
     assert [f.payload for f in got] == [f.payload for f in frames(5)]
-    assert [f.offset for f in got] == [w.offset for w in first]
+    assert [f.offset for f in got] == [w.offset for w in first] == [1, 2, 3, 4, 5]
 
 
 def test_a_fresh_writer_after_a_crash_between_write_and_commit_appends_nothing_twice(redis_server):
@@ -137,7 +130,7 @@ def test_reads_return_exactly_the_range_and_the_same_frames_twice(redis_server):
     assert [f.offset for f in mid] == offs[5:10]
     assert [f.offset for f in capped] == offs[5:8]
     assert mid == twice
-    assert offs == sorted(offs) and all(isinstance(o, EntryId) for o in offs)
+    assert offs == list(range(1, 21))
 
 
 def test_a_read_of_another_incarnation_is_buffer_loss(redis_server):
@@ -175,7 +168,7 @@ def test_releases_bound_both_the_stream_and_the_dedup_ids_on_a_long_run(redis_se
             peak_entries, peak_ids = max(peak_entries, s.entries), max(peak_ids, s.ids)
             await b.release(last, inc)
         end = await b.sizes()
-        st = await b.state()
+        st = await b.snapshot()
         await c.aclose()
         return peak_entries, peak_ids, end, st
 
@@ -202,6 +195,77 @@ def test_released_frames_still_deduplicate_within_the_window(redis_server):
     again, n = asyncio.run(go())
     assert [x.duplicate for x in again] == [True] * 4
     assert n == 0
+
+
+def test_ids_of_released_frames_leave_the_index_after_the_window(redis_server):
+    """The dedup index is bounded: once the window has passed, a release drops the released frames'
+    ids, and the same frames written again are new entries (as after JetStream's window)."""
+    async def go():
+        c = redis_server.client()
+        b = RedisBuffer(c, STREAM, dedup_window=0.2)
+        w = await b.write(frames(4))
+        await b.release(w[-1].offset)
+        within = (await b.sizes()).ids
+        await asyncio.sleep(0.3)
+        await b.release(w[-1].offset)  # the next release, past the window
+        after = (await b.sizes()).ids
+        again = await b.write(frames(4))
+        await c.aclose()
+        return within, after, again
+
+    within, after, again = asyncio.run(go())
+    assert (within, after) == (4, 0)
+    assert [x.duplicate for x in again] == [False] * 4 and [x.offset for x in again] == [5, 6, 7, 8]
+
+
+def test_ids_of_unreleased_frames_stay_however_old(redis_server):
+    """A release past the window drops only released frames' ids: a frame still in the stream,
+    written long before (here: a window of 0), is still a duplicate. (Released ids written in the
+    same millisecond as the first unreleased frame stay until a later release: here they are not.)"""
+    async def go():
+        c = redis_server.client()
+        b = RedisBuffer(c, STREAM, dedup_window=0)
+        await b.write(frames(2))
+        await asyncio.sleep(0.01)
+        await b.write(frames(5))
+        await asyncio.sleep(0.01)
+        await b.release(2)
+        ids = (await b.sizes()).ids
+        again = await b.write(frames(5))
+        await c.aclose()
+        return ids, again
+
+    ids, again = asyncio.run(go())
+    assert ids == 3
+    assert [x.duplicate for x in again[2:]] == [True] * 3
+    assert [(x.duplicate, x.offset) for x in again[:2]] == [(False, 6), (False, 7)]  # released, window past
+
+
+def test_offsets_go_on_after_the_buffer_is_released_to_empty(redis_server):
+    """The state in integer offsets, as JetStream's stream state: a buffer released to empty keeps
+    its last offset (Redis keeps the empty stream's last id), so the next write is last + 1."""
+    async def go():
+        c = redis_server.client()
+        b = RedisBuffer(c, STREAM)
+        none = await b.state()
+        inc = await b.create()
+        created = await b.state()
+        await b.write(frames(3))
+        full = await b.state()
+        await b.release(3, inc)
+        empty = await b.state()
+        more = await b.write(frames(2, start=10))
+        later = await b.state()
+        await c.aclose()
+        return none, inc, created, full, empty, more, later
+
+    none, inc, created, full, empty, more, later = asyncio.run(go())
+    assert none is None
+    assert created == BufferInfo(STREAM, inc, 1, 0, 0)
+    assert full == BufferInfo(STREAM, inc, 1, 3, 3)
+    assert empty == BufferInfo(STREAM, inc, 4, 3, 0)
+    assert [w.offset for w in more] == [4, 5]
+    assert later == BufferInfo(STREAM, inc, 4, 5, 2)
 
 
 def test_capacity_follows_buffer_max_length_and_usage_limit():
@@ -253,7 +317,7 @@ def test_a_writer_held_by_a_full_buffer_goes_on_once_the_downstream_releases(red
         written = await write_until_stored(b, batch, first_pause=0.01, max_pause=0.05, on_full=on_full)
         done.set()
         await reader
-        st = await b.state()
+        st = await b.snapshot()
         await c.aclose()
         return written, refusals, st
 

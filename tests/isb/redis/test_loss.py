@@ -10,7 +10,7 @@ import pytest
 
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.redis.buffers import RedisBuffer
-from isbflow.isb.redis.keys import BufferKeys, EntryId
+from isbflow.isb.redis.keys import BufferKeys, offset_of
 from isbflow.isb.redis.loss import BufferState, judge
 from isbflow.isb.store import Incarnation, OutFrame, ReaderPosition
 from tests.helpers.redis_server import RedisHandle, running_redis
@@ -22,7 +22,7 @@ def frames(n: int, start: int = 0) -> list[OutFrame]:
     return [OutFrame(f"a:1:0:0:{i}:{i:016x}", bytes([i % 256]) * 32, 1) for i in range(start, start + n)]
 
 
-async def _write_and_read(r: RedisHandle, n: int = 6, read: int = 3) -> tuple[str, EntryId]:
+async def _write_and_read(r: RedisHandle, n: int = 6, read: int = 3) -> tuple[str, int]:
     """Write ``n`` frames into a created buffer, read ``read`` of them: the reader's incarnation and offset."""
     c = r.client()
     b = RedisBuffer(c, STREAM)
@@ -33,7 +33,7 @@ async def _write_and_read(r: RedisHandle, n: int = 6, read: int = 3) -> tuple[st
     return inc, got[-1].offset
 
 
-async def _check(r: RedisHandle, inc: str, read_to: EntryId | None):
+async def _check(r: RedisHandle, inc: str, read_to: int | None):
     c = r.client()
     loss = await RedisBuffer(c, STREAM).check(ReaderPosition(inc, read_to))
     await c.aclose()
@@ -57,7 +57,8 @@ def test_flushall_is_buffer_loss_and_a_later_write_a_new_incarnation():
             return gone, recreated
 
         gone, recreated = asyncio.run(go())
-    assert gone is not None and "flushed" in gone.reason and gone.first == read_to.after()
+    assert read_to == 3
+    assert gone is not None and "flushed" in gone.reason and gone.first == 4
     assert recreated is not None and "recreated" in recreated.reason
 
 
@@ -107,7 +108,7 @@ def test_a_release_is_not_loss_but_a_trim_outside_isbflow_is():
         after_release, after_trim = asyncio.run(go())
     assert after_release is None
     assert after_trim is not None and "2 entries were removed that no release freed" in after_trim.reason
-    assert after_trim.first == read_to.after()
+    assert after_trim.first == read_to + 1 == 4
 
 
 def test_a_buffer_behind_what_was_read_is_loss():
@@ -125,31 +126,33 @@ def test_a_buffer_behind_what_was_read_is_loss():
                 await c.xadd(keys.stream, fields, id=entry_id)
             loss = await RedisBuffer(c, STREAM).check(ReaderPosition(inc, read_to))
             await c.aclose()
-            return loss, EntryId.parse(entries[-1][0])
+            return loss, offset_of(entries[-1][0])
 
         loss, last = asyncio.run(go())
     assert loss is not None and "holds less than was read" in loss.reason
-    assert loss.first == last.after()
+    assert last == 2 and loss.first == 3
 
 
 def _state(**kw) -> BufferState:
-    base = dict(incarnation=Incarnation("i1", 0.0), released=0, released_to=EntryId(0, 0), length=0,
-                entries_added=0, first=None, last_generated=EntryId(0, 0), ids=0)
+    base = dict(incarnation=Incarnation("i1", 0.0), released=0, released_to=0, length=0,
+                entries_added=0, first=None, last_generated=0, ids=0)
     return BufferState(**{**base, **kw})
 
 
 def test_judge_tells_an_empty_buffer_from_a_lost_one():
     """The rules alone, on states a server would report (the tests above reach each on a real server)."""
-    seen = ReaderPosition("i1", EntryId(10, 4))
+    seen = ReaderPosition("i1", 5)
     # empty because everything read was released: not loss
-    assert judge("s", _state(entries_added=5, released=5, released_to=EntryId(10, 4),
-                             last_generated=EntryId(10, 4)), seen) is None
+    assert judge("s", _state(entries_added=5, released=5, released_to=5, last_generated=5), seen) is None
     # a reader that has read nothing yet, on a new buffer
     assert judge("s", _state(), ReaderPosition("i1", None)) is None
     assert "incarnation is gone" in judge("s", _state(incarnation=None), seen).reason
     assert "recreated" in judge("s", _state(incarnation=Incarnation("i2", 1.0)), seen).reason
-    assert "holds less" in judge("s", _state(entries_added=3, length=3, first=EntryId(10, 0),
-                                             last_generated=EntryId(10, 2)), seen).reason
+    assert "holds less" in judge("s", _state(entries_added=3, length=3, first=1, last_generated=3), seen).reason
+    # trimmed outside isbflow past the reader (2 released, 3 removed unreleased): the loss starts after both
+    trimmed = judge("s", _state(entries_added=9, released=2, released_to=2, length=4, first=6, last_generated=9),
+                    ReaderPosition("i1", 1))
+    assert trimmed is not None and trimmed.first == 3
 
 
 def test_a_failover_to_a_replica_behind_its_master_is_loss_for_a_reader_past_it():
@@ -179,5 +182,5 @@ def test_a_failover_to_a_replica_behind_its_master_is_loss_for_a_reader_past_it(
 
         early, past, within = asyncio.run(go())
     assert past is not None and "holds less than was read" in past.reason
-    assert past.first == early[-1].offset.after()
+    assert early[-1].offset == 3 and past.first == 4
     assert within is None
