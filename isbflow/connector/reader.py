@@ -115,6 +115,7 @@ from isbflow.connector.batches import (  # noqa: F401
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import MIN_SPLIT_MSGS, ReaderOptions
 from isbflow.isb import dlq, frames
+from isbflow.isb.buffers import StreamState, stream_state, wait_for_append
 from isbflow.isb.connect import NatsSettings, SyncSession, run_with
 from isbflow.isb.dlq import add_dead_frames, dead_frames, dead_frames_key  # noqa: F401 - re-exported
 from isbflow.isb.errors import (
@@ -123,13 +124,8 @@ from isbflow.isb.errors import (
     BufferReadError,
     ConnectorOptionError,
 )
-from isbflow.isb.read import (
-    StreamState,
-    read_partition,
-    stream_state,
-)
+from isbflow.isb.read import read_partition
 from isbflow.isb.state import get_drain_point
-from isbflow.isb.wait import wait_for_append
 
 log = logging.getLogger(__name__)
 

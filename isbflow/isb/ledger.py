@@ -71,6 +71,7 @@ import pyarrow as pa
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
+from isbflow.isb.buffers import stream_state
 from isbflow.isb.connect import run_kept
 from isbflow.isb.control import kv as open_kv
 from isbflow.isb.dlq import dead_letter_origins
@@ -87,7 +88,6 @@ from isbflow.isb.ranges import (  # noqa: F401 - the ledger's range algebra, use
     overlaps,
     union,
 )
-from isbflow.isb.read import stream_state
 from isbflow.isb.store import BucketMissing, ValueTooLarge
 
 ID_COLUMN = "_isb_id"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isbflow.isb import naming
-from isbflow.isb.read import stream_state
+from isbflow.isb.buffers import stream_state
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir
 

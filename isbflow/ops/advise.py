@@ -43,8 +43,8 @@ from typing import Any
 
 from isbflow.connector.options import DEFAULT_FRAME_ROWS
 from isbflow.isb import frames, naming
+from isbflow.isb.buffers import read_range, stream_state
 from isbflow.isb.connect import run_with
-from isbflow.isb.read import read_range, stream_state
 from isbflow.isb.state import StepStatus, all_status, get_rates
 from isbflow.spec.models import Pipeline, Vertex
 from isbflow.spec.scale import Scale

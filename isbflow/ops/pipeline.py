@@ -39,8 +39,8 @@ from typing import Any
 
 from isbflow.isb import naming, reference
 from isbflow.isb import provision as prov
+from isbflow.isb.buffers import StreamState, stream_state
 from isbflow.isb.connect import IsbUnreachable, NatsSettings, session
-from isbflow.isb.read import StreamState, stream_state
 from isbflow.isb.roles import pipeline_user
 from isbflow.isb.state import Desired, StepStatus, all_status, get_desired
 from isbflow.local.sandbox import SandboxError

@@ -14,7 +14,7 @@ from nats.js.errors import BucketNotFoundError
 
 from isbflow.isb import naming
 from isbflow.isb import state as st
-from isbflow.isb.read import stream_state
+from isbflow.isb.buffers import stream_state
 from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec.models import Pipeline
 

@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from isbflow.isb import naming
+from isbflow.isb.buffers import stream_state, wait_for_append
 from isbflow.isb.connect import NatsSettings, session
-from isbflow.isb.read import stream_state
 from isbflow.isb.state import Desired, Observed, StepStatus, all_status, get_desired, put_status
-from isbflow.isb.wait import wait_for_append
 from isbflow.local.procs import process_alive, process_start
 from isbflow.ops import pipeline as ops_pipeline
 from isbflow.ops.zero_policy import IdleClock, Look, ZeroPolicy, policy

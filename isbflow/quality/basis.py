@@ -30,10 +30,10 @@ from nats.js.errors import NotFoundError
 
 from isbflow.isb import ledger, naming
 from isbflow.isb import state as st
+from isbflow.isb.buffers import stream_state
 from isbflow.isb.connect import NatsSettings, run_with
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.ledger import CommittedWatermark, PartitionRanges
-from isbflow.isb.read import stream_state
 from isbflow.quality.checks import WindowClosure
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir

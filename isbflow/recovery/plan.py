@@ -27,10 +27,10 @@ import pyarrow.types as pt
 
 from isbflow.isb import ledger, naming
 from isbflow.isb import state as st
+from isbflow.isb.buffers import stream_state
 from isbflow.isb.connect import NatsSettings, connect
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss
-from isbflow.isb.read import stream_state
 from isbflow.isb.routed import read_covered
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.job import region_of, running_steps

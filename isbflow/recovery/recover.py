@@ -79,11 +79,11 @@ import pyarrow.compute as pc
 
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb import state as st
+from isbflow.isb.buffers import stream_state
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.ranges import intersect
-from isbflow.isb.read import stream_state
 from isbflow.isb.routed import read_covered
 from isbflow.local.delta import table_history
 from isbflow.recovery import pg_sinks

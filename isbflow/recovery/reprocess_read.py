@@ -32,7 +32,7 @@ from pyspark.sql import functions as F
 
 from isbflow.isb import frames, ledger, naming
 from isbflow.isb import state as st
-from isbflow.isb.read import read_range, stream_state
+from isbflow.isb.buffers import read_range, stream_state
 from isbflow.recovery.reprocess_plan import RangeError, ReprocessError, Source, in_ranges
 from isbflow.spec.models import Pipeline
 from isbflow.steps import routing

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from isbflow.isb import naming
-from isbflow.isb.read import stream_state
+from isbflow.isb.buffers import stream_state
 from isbflow.isb.state import get_committed
 from isbflow.spec.models import Pipeline
 

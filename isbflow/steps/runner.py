@@ -80,10 +80,9 @@ from isbflow.connector.reader import EVENTS_SCHEMA, dead_frames
 from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
 from isbflow.isb import state as st
+from isbflow.isb.buffers import release, stream_state
 from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
-from isbflow.isb.read import stream_state
 from isbflow.isb.reference import bucket_stream as reference_stream
-from isbflow.isb.release import release
 from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
@@ -516,7 +515,7 @@ class PipelineRunner:
             self.nats.run(st.put_committed(self.nats.nc, self.p.name, run.vertex, committed))
             if self.retention in ("WorkQueue", "Interest"):
                 for s, seq in committed.items():
-                    self.nats.run(release(self.settings, s, seq, self.retention, nc=self.nats.nc))
+                    self.nats.run(release(self.nats.nc, s, seq, self.retention))
         if not counters:
             return
         status.dlq_total = self._dlq_total(run)

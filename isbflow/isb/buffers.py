@@ -1,0 +1,106 @@
+"""The buffers of an open connection, whichever store holds them.
+
+The steps, recovery, quality and the faces hold a *connection*: a nats-py client (JetStream) or
+a store object (Redis, :class:`isbflow.isb.redis.store.RedisStore`). What they need of its
+buffers goes through this module, so none of them asks which store it is:
+
+- :func:`stream_state`: a partition's state (incarnation, first and last offset, how many frames);
+- :func:`read_range`: the messages of an offset range, in order, nothing removed;
+- :func:`wait_for_append`: block until a partition grows past what a reader has seen;
+- :func:`release`: free what the downstream step has committed.
+
+A store object brings its own implementation (its ``buffers()``, a :class:`Buffers`); a nats-py
+client gets :class:`JetStreamBuffers`, which calls the JetStream modules (:mod:`isbflow.isb.read`,
+:mod:`isbflow.isb.wait`, :mod:`isbflow.isb.release`). Offsets are integers in every store (JetStream
+sequences; Redis entry ids ``0-<n>``), so the ledger, the checkpoints and recovery compare them the
+same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
+
+from isbflow.isb import read as js_read
+from isbflow.isb import release as js_release
+from isbflow.isb import wait as js_wait
+from isbflow.isb.read import Message, StreamState
+
+__all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_range", "release",
+           "stream_state", "wait_for_append"]
+
+
+class Buffers(Protocol):
+    """What a store does with its buffers on one open connection."""
+
+    async def state(self, stream: str) -> StreamState | None:
+        """The partition's state; None when it does not exist."""
+        ...
+
+    def read_range(self, stream: str, first: int, last: int, *,
+                   on_gap: Callable[[int, int], None] | None = None) -> AsyncIterator[list[Message]]:
+        """The messages of offsets ``first..last`` in order, in lists, each once; a missing offset
+        inside the range raises :class:`isbflow.isb.errors.BufferLost` (``on_gap``: reported, skipped)."""
+        ...
+
+    async def wait_for_append(self, after: Mapping[str, int], timeout: float,
+                              cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """True as soon as a partition of ``after`` holds an offset past its value; False after
+        ``timeout`` seconds or once ``cancelled()``."""
+        ...
+
+    async def release(self, stream: str, upto: int, retention: object, incarnation: str | None = None) -> int:
+        """Free the partition's frames up to ``upto`` (committed downstream); how many. Nothing when
+        the partition is no longer ``incarnation`` or its retention keeps everything (``limits``)."""
+        ...
+
+
+class JetStreamBuffers:
+    """:class:`Buffers` on a nats-py client."""
+
+    def __init__(self, nc: Any):
+        self.nc = nc
+
+    async def state(self, stream: str) -> StreamState | None:
+        return await js_read.stream_state(self.nc, stream)
+
+    def read_range(self, stream: str, first: int, last: int, *,
+                   on_gap: Callable[[int, int], None] | None = None, **kw) -> AsyncIterator[list[Message]]:
+        return js_read.read_range(self.nc, stream, first, last, on_gap=on_gap, **kw)
+
+    async def wait_for_append(self, after: Mapping[str, int], timeout: float,
+                              cancelled: Callable[[], bool] = lambda: False) -> bool:
+        return await js_wait.wait_for_append(self.nc, after, timeout, cancelled)
+
+    async def release(self, stream: str, upto: int, retention: object, incarnation: str | None = None) -> int:
+        return await js_release.release(None, stream, upto, retention, incarnation=incarnation, nc=self.nc)
+
+
+def of(conn: Any) -> Buffers:
+    """The buffers of ``conn``: its own when it is a store object, else JetStream's."""
+    own = getattr(conn, "buffers", None)
+    if own is not None and callable(own):
+        return own()
+    return JetStreamBuffers(conn)
+
+
+async def stream_state(conn: Any, stream: str) -> StreamState | None:
+    """:meth:`Buffers.state` of ``conn``'s store."""
+    return await of(conn).state(stream)
+
+
+def read_range(conn: Any, stream: str, first: int, last: int, *,
+               on_gap: Callable[[int, int], None] | None = None, **kw) -> AsyncIterator[list[Message]]:
+    """:meth:`Buffers.read_range` of ``conn``'s store (``kw``: a store's own read options)."""
+    return of(conn).read_range(stream, first, last, on_gap=on_gap, **kw)
+
+
+async def wait_for_append(conn: Any, after: Mapping[str, int], timeout: float,
+                          cancelled: Callable[[], bool] = lambda: False) -> bool:
+    """:meth:`Buffers.wait_for_append` of ``conn``'s store."""
+    return await of(conn).wait_for_append(after, timeout, cancelled)
+
+
+async def release(conn: Any, stream: str, upto: int, retention: object, incarnation: str | None = None) -> int:
+    """:meth:`Buffers.release` of ``conn``'s store."""
+    return await of(conn).release(stream, upto, retention, incarnation)
