@@ -11,14 +11,19 @@ user               may
                    and the commands it runs); read nothing
 ``pipeline-<p>``   what pipeline ``p``'s drivers need on ``p``'s own streams only (its edge
                    partitions, source streams and dead letters): write, read ranges, release,
-                   check for loss; nothing of another pipeline
+                   check for loss; read and write ``p``'s control, status and ledger buckets
+                   (:mod:`isbflow.isb.redis.kv`); read the reference-table buckets its grant
+                   lists (``PipelineGrant.references``); nothing of another pipeline
 =================  ==============================================================
 
 A user's keys are listed one by one (``~isbflow:{<stream>}`` and its ``:ids`` and ``:inc``,
-:mod:`isbflow.isb.redis.keys`), never a prefix pattern: pipeline names may contain ``-``, so
-``isb-a-*`` would also match pipeline ``a-b``'s streams. No role but the admin has ``FLUSHALL``,
-``CONFIG``, ``KEYS``, ``ACL``, ``SCRIPT`` or ``DEBUG``. Redis checks every command a script runs
-against the caller's ACL, so ``EVAL`` grants nothing beyond the commands listed here.
+``~isbflow:kv:{<bucket>}``, :mod:`isbflow.isb.redis.keys`), never a prefix pattern: pipeline names
+may contain ``-``, so ``isb-a-*`` would also match pipeline ``a-b``'s streams. Reference tables
+are read only (``%R~``: Redis refuses a write command on the key whatever the user's commands);
+they are loaded by the admin. A reference table the grant does not list is the admin's alone. No
+role but the admin has ``FLUSHALL``, ``CONFIG``, ``KEYS``, ``ACL``, ``SCRIPT`` or ``DEBUG``. Redis
+checks every command a script runs against the caller's ACL, so ``EVAL`` grants nothing beyond the
+commands listed here.
 
 Passwords are generated into owner-only files, ``<data dir>/redis/<user>.password``, as the NATS
 roles' are; ``users.conf`` (included by the server's config) holds the users with their
@@ -33,8 +38,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isbflow.isb import roles
-from isbflow.isb.redis.keys import BufferKeys
+from isbflow.isb import naming, roles
+from isbflow.isb.redis.keys import BufferKeys, kv_key
 from isbflow.isb.redis.server import USERS_FILE, redis_dir, secret, write_private
 
 ADMIN = "default"
@@ -43,9 +48,11 @@ pipeline_user = roles.pipeline_user
 
 #: what the write script (:data:`isbflow.isb.redis.scripts.WRITE`) runs, and how it is called
 WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hget", "hset", "xlen", "xadd", "zscore", "zadd")
-#: a pipeline's drivers: writing, the read, release, state and create scripts
-PIPELINE_COMMANDS = (*WRITE_COMMANDS, "hgetall", "hincrby", "xrange", "xtrim", "xinfo|stream",
-                     "zremrangebyscore", "zcard")
+#: the key-value buckets' commands (:class:`isbflow.isb.redis.kv.RedisKeyValue`, and reading a whole bucket)
+KV_COMMANDS = ("hget", "hset", "hdel", "hkeys", "hincrby", "hgetall")
+#: a pipeline's drivers: writing, the read, release, state and create scripts, and its buckets
+PIPELINE_COMMANDS = tuple(dict.fromkeys((*WRITE_COMMANDS, *KV_COMMANDS, "xrange", "xtrim", "xinfo|stream",
+                                         "zremrangebyscore", "zcard")))
 
 
 def password_file(data_dir: Path | str, user: str) -> Path:
@@ -63,19 +70,32 @@ def key_patterns(streams: Iterable[str]) -> list[str]:
     return [f"~{_glob_escaped(k)}" for s in dict.fromkeys(streams) for k in BufferKeys(s).all]
 
 
+def bucket_patterns(buckets: Iterable[str], *, read_only: bool = False) -> list[str]:
+    """The rules granting exactly the hashes of key-value ``buckets``: ``~`` (read and write) or,
+    ``read_only``, ``%R~``."""
+    rule = "%R~" if read_only else "~"
+    return [f"{rule}{_glob_escaped(kv_key(b))}" for b in dict.fromkeys(buckets)]
+
+
+def pipeline_buckets(pipeline: str) -> list[str]:
+    """The buckets a pipeline's drivers read and write: its control, status and ledger."""
+    return [naming.control_bucket(pipeline), naming.status_bucket(pipeline), naming.ledger_bucket(pipeline)]
+
+
 def role_grants(grants: Sequence[roles.PipelineGrant]) -> dict[str, tuple[list[str], tuple[str, ...]]]:
-    """Every role user: (its streams, its commands)."""
-    out = {PRODUCER: ([s for g in grants for s in g.sources], WRITE_COMMANDS)}
+    """Every role user: (its key rules, its commands)."""
+    out = {PRODUCER: (key_patterns(s for g in grants for s in g.sources), WRITE_COMMANDS)}
     for g in grants:
-        out[pipeline_user(g.pipeline)] = ([*g.buffers, *g.sources, g.dlq], PIPELINE_COMMANDS)
+        keys = [*key_patterns([*g.buffers, *g.sources, g.dlq]), *bucket_patterns(pipeline_buckets(g.pipeline)),
+                *bucket_patterns(g.references, read_only=True)]
+        out[pipeline_user(g.pipeline)] = (keys, PIPELINE_COMMANDS)
     return out
 
 
-def user_rules(password: str, streams: Iterable[str], commands: Iterable[str]) -> list[str]:
-    """The ACL rules of one role user: only its password, keys and commands, no channels."""
+def user_rules(password: str, keys: Iterable[str], commands: Iterable[str]) -> list[str]:
+    """The ACL rules of one role user: only its password, key rules and commands, no channels."""
     digest = hashlib.sha256(password.encode()).hexdigest()
-    return ["reset", "on", f"#{digest}", *key_patterns(streams), "resetchannels", "-@all",
-            *(f"+{c}" for c in commands)]
+    return ["reset", "on", f"#{digest}", *keys, "resetchannels", "-@all", *(f"+{c}" for c in commands)]
 
 
 async def apply_users(client: Any, data_dir: Path | str, grants: Sequence[roles.PipelineGrant]) -> list[str]:
@@ -85,8 +105,8 @@ async def apply_users(client: Any, data_dir: Path | str, grants: Sequence[roles.
     ``users.conf`` holds the same for the next start. Returns the users."""
     wanted = role_grants(grants)
     lines = []
-    for user, (streams, commands) in wanted.items():
-        rules = user_rules(secret(password_file(data_dir, user)), streams, commands)
+    for user, (keys, commands) in wanted.items():
+        rules = user_rules(secret(password_file(data_dir, user)), keys, commands)
         await client.execute_command("ACL", "SETUSER", user, *rules)
         lines.append(" ".join(["user", user, *rules]))
     for user in await client.execute_command("ACL", "USERS"):

@@ -10,15 +10,17 @@ import stat
 import pytest
 from redis.exceptions import ResponseError
 
-from isbflow.isb import roles
+from isbflow.isb import naming, roles
 from isbflow.isb.redis import acl
 from isbflow.isb.redis.buffers import RedisBuffer
-from isbflow.isb.redis.keys import BufferKeys
+from isbflow.isb.redis.keys import BufferKeys, kv_key
+from isbflow.isb.redis.store import RedisStore
 from isbflow.isb.store import OutFrame
 from tests.helpers.redis_server import running_redis
 
 # "p" and "p-x": a key pattern by prefix (isb-p-*) would give p's user p-x's streams too
-P = roles.PipelineGrant("p", ("isb-p-a-b-0", "isb-p-a-b-1"), ("src-p-in",), ("in.p",), "isb-p-dlq", (), ())
+P = roles.PipelineGrant("p", ("isb-p-a-b-0", "isb-p-a-b-1"), ("src-p-in",), ("in.p",), "isb-p-dlq", (),
+                       (naming.reference_bucket("p", "t"),))
 PX = roles.PipelineGrant("p-x", ("isb-p-x-a-b-0",), ("src-p-x-in",), ("in.px",), "isb-p-x-dlq", (), ())
 FRAME = [OutFrame("s:1:0:0:0:00", b"frame", 1)]
 
@@ -112,6 +114,58 @@ def test_the_producer_only_publishes_into_source_streams(granted):
     assert len(refusals) == 5
 
 
+def _noperm(errors: list[str]) -> bool:
+    return all("NOPERM" in e or "no permissions" in e for e in errors)
+
+
+def test_a_pipeline_user_reads_and_writes_its_own_buckets_only(granted):
+    """Its status (control, ledger) bucket: every KeyValue operation; another pipeline's buckets:
+    nothing; a reference table its grant lists: read only; one it does not list: nothing."""
+    r, _ = granted
+    ref, unlisted = naming.reference_bucket("p", "t"), naming.reference_bucket("p", "u")
+
+    async def go():
+        async with RedisStore(r.client()) as admin:
+            await (await admin.kv(ref)).put("k", b"table")
+        async with RedisStore.open(r.data_dir, "pipeline-p") as store:
+            own = []
+            for bucket in acl.pipeline_buckets("p"):
+                kv = await store.kv(bucket)
+                await kv.put("step.a", b"running")
+                own.append((await kv.get("step.a"), await kv.add("n", 2), await kv.keys()))
+                await kv.delete("step.a")
+            whole = await store.client.hgetall(kv_key(naming.status_bucket("p")))
+            table = await (await store.kv(ref)).get("k")
+            other = await store.kv(naming.status_bucket("p-x"))
+            refusals = [
+                await _refused(other.put("step.a", b"x")),
+                await _refused(other.get("step.a")),
+                await _refused(other.keys()),
+                await _refused(other.add("n", 1)),
+                await _refused((await store.kv(naming.control_bucket("p-x"))).get("step.a")),
+                await _refused((await store.kv(ref)).put("k", b"mine")),
+                await _refused((await store.kv(unlisted)).get("k")),
+            ]
+        return own, whole, table, refusals
+
+    own, whole, table, refusals = asyncio.run(go())
+    assert own == [(b"running", 2, ["n", "step.a"])] * 3
+    assert whole == {b"n": b"2"} and table == b"table"
+    assert len(refusals) == 7 and _noperm(refusals), refusals
+
+
+def test_the_producer_reaches_no_bucket(granted):
+    r, _ = granted
+
+    async def go():
+        async with RedisStore.open(r.data_dir, "producer") as store:
+            kv = await store.kv(naming.status_bucket("p"))
+            return [await _refused(kv.put("k", b"v")), await _refused(kv.get("k"))]
+
+    refusals = asyncio.run(go())
+    assert _noperm(refusals), refusals
+
+
 def test_the_users_survive_a_restart(granted):
     r, _ = granted
     r.restart()
@@ -131,6 +185,8 @@ def test_key_patterns_match_their_keys_only():
     assert acl.key_patterns(["isb-p-a-b-0"]) == [
         "~isbflow:{isb-p-a-b-0}", "~isbflow:{isb-p-a-b-0}:ids", "~isbflow:{isb-p-a-b-0}:inc"]
     assert acl.key_patterns(["we*ird?[1]"])[0] == r"~isbflow:{we\*ird\?\[1\]}"
+    assert acl.bucket_patterns(["isbflow-p-status"]) == ["~isbflow:kv:{isbflow-p-status}"]
+    assert acl.bucket_patterns(["isbflow-p-ref-t"], read_only=True) == ["%R~isbflow:kv:{isbflow-p-ref-t}"]
 
 
 def test_granting_again_gives_the_current_grants_and_removes_dropped_pipelines():
