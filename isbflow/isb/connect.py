@@ -23,8 +23,10 @@ import nats
 from nats.errors import AuthorizationError, NoServersError, SlowConsumerError
 
 from isbflow.isb.settings import (  # noqa: F401 - the settings' names, re-exported for callers of connect
+    IsbSettings,
     IsbUnreachable,
     NatsSettings,
+    RedisSettings,
     default_data_dir,
     redact_url,
     resolve_settings,
@@ -54,6 +56,8 @@ async def connect(
     restarts: it reconnects up to ``reconnect_attempts`` times per server
     (``-1``: forever), and connection errors from then on are logged.
     """
+    if isinstance(settings, RedisSettings):
+        return await _open_redis(settings, name, timeout)
     errors: collections.deque[BaseException] = collections.deque(maxlen=8)
     connected = False
     drops: collections.Counter[object] = collections.Counter()
@@ -108,6 +112,22 @@ async def connect(
     nc.options["max_reconnect_attempts"] = reconnect_attempts
     nc.isbflow_drops = drops
     return nc
+
+
+async def _open_redis(settings: RedisSettings, name: str, timeout: float):
+    """The Redis store of ``settings`` (:class:`isbflow.isb.redis.store.RedisStore`): the connection
+    of a Redis-backed pipeline, used where a nats-py client is used for JetStream (its buckets
+    through :mod:`isbflow.isb.control`, its buffers through :mod:`isbflow.isb.buffers`)."""
+    # lazy: JetStream-only processes never import redis-py
+    from isbflow.isb.redis.connection import StoreRefused, StoreUnreachable, open_store
+
+    try:
+        return await open_store(settings.url, settings.user, settings.password, tls_ca=settings.tls_ca,
+                                name=name, timeout=timeout)
+    except StoreRefused as e:
+        raise IsbUnreachable(f"the ISB service at {settings.display} refused the connection: {e}") from None
+    except StoreUnreachable as e:
+        raise IsbUnreachable(f"cannot reach the ISB service at {settings.display}: {e}") from None
 
 
 async def _within(attempt: asyncio.Future, timeout: float, nc: nats.aio.client.Client) -> None:

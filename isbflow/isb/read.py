@@ -52,13 +52,13 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from isbflow.isb.connect import NatsSettings, close_loop, connect, dropped_messages
 from isbflow.isb.errors import BufferLost, BufferReadError
 from isbflow.isb.raw import deliver_raw, no_cyclic_gc, parse_headers, status_line
 from isbflow.isb.roles import is_role_user
+from isbflow.isb.store import Message, StreamState
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -75,27 +75,8 @@ CHUNK_BYTES = 16 * 1024 * 1024
 #: Seconds without any reply before a read gives up.
 REPLY_TIMEOUT = 30.0
 
-#: One message as read: (stream sequence, payload, headers, store time). The time is the
-#: ``Nats-Time-Stamp`` string (RFC 3339, ns) on the direct-get path and integer
-#: nanoseconds since the epoch on the consumer path; one chunk holds one kind.
-Message = tuple[int, bytes, dict, "str | int"]
 #: Seconds without a delivery after which the consumer path asks whether anything is left.
 QUIET = 1.0
-
-
-@dataclass(frozen=True)
-class StreamState:
-    """What the driver needs to know about one stream, from ``STREAM.INFO``."""
-
-    name: str
-    #: the stream's creation time as the server reports it (RFC 3339, ns): identifies
-    #: this incarnation; a deleted and recreated stream has a new one.
-    incarnation: str
-    first_seq: int
-    last_seq: int
-    messages: int
-    retention: str
-    allow_direct: bool
 
 
 async def stream_state(nc: nats.aio.client.Client, stream: str, timeout: float = 5.0) -> StreamState | None:

@@ -27,7 +27,7 @@ import os
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from isbflow.isb import roles
@@ -122,6 +122,36 @@ class NatsSettings:
         if prefix:
             kw["inbox_prefix"] = prefix
         return kw
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where and how to reach a Redis store (``spec.redis``): plain picklable data, like
+    :class:`NatsSettings`, handed the same way to Spark executors. ``url`` carries no credentials
+    (``redis://host:port/db``, ``rediss://`` for TLS); the user and password are fields, and the
+    password never shows in ``repr``/``display``."""
+
+    url: str
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
+
+    #: the store these settings reach (:func:`settings_to_json` records it)
+    store: ClassVar[str] = "redis"
+
+    @property
+    def display(self) -> str:
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in (
+            ("url", self.display), ("user", self.user), ("password", "***" if self.password else None),
+            ("tls_ca", self.tls_ca)) if v)
+        return f"RedisSettings({shown})"
+
+
+#: the settings of either store
+IsbSettings = NatsSettings | RedisSettings
 
 
 def redact_url(url: str) -> str:
@@ -228,22 +258,27 @@ def resolve_settings(
     return settings
 
 
-def settings_to_json(settings: NatsSettings) -> str:
-    """The ``settings`` option value for ``settings``."""
-    return json.dumps(dataclasses.asdict(settings))
+def settings_to_json(settings: IsbSettings) -> str:
+    """The ``settings`` option value for ``settings`` (either store's)."""
+    d = dataclasses.asdict(settings)
+    if isinstance(settings, RedisSettings):
+        d["store"] = RedisSettings.store
+    return json.dumps(d)
 
 
-def settings_from_json(text: str) -> NatsSettings:
+def settings_from_json(text: str) -> IsbSettings:
     """Inverse of :func:`settings_to_json`."""
     try:
         d = json.loads(text)
-        known = {f.name for f in dataclasses.fields(NatsSettings)}
+        cls: type = RedisSettings if d.pop("store", "jetstream") == RedisSettings.store else NatsSettings
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown field(s) {sorted(unknown)}")
-        d["servers"] = tuple(d["servers"])
-        return NatsSettings(**d)
-    except (ValueError, TypeError, KeyError) as e:
+        if cls is NatsSettings:
+            d["servers"] = tuple(d["servers"])
+        return cls(**d)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConnectorOptionError(
-            f"option 'settings': not the JSON of NatsSettings ({e}); build it with "
+            f"option 'settings': not the JSON of NatsSettings or RedisSettings ({e}); build it with "
             "isbflow.isb.settings.settings_to_json") from None

@@ -14,9 +14,10 @@ same frames; space is released only after the *downstream* commit; and a buffer 
 its reader had not yet read says so (:class:`LossDetector`) instead of looking empty. Together
 with replay from the source's offsets that makes the pipeline's output exactly once.
 
-Offsets are opaque to callers: each store has its own type (an ``int`` sequence, a Redis entry
-id), totally ordered as the store orders its log. A caller compares, stores and hands back
-offsets it got from the same store and never does arithmetic on them.
+Offsets are integers in every store, from 1, in the store's log order: JetStream's stream
+sequences, and Redis entry ids ``0-<n>`` (a Redis buffer appends with ``0-*``, so entry ``0-<n>`` is
+offset ``n``). The ledger, the checkpoints and recovery compare offsets the same way whichever
+store gave them; a caller never does arithmetic across two incarnations of a buffer.
 """
 
 from __future__ import annotations
@@ -88,6 +89,29 @@ class Incarnation:
 
     id: str
     created: float
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """What the driver needs to know about one buffer partition (JetStream: from ``STREAM.INFO``;
+    Redis: the stream and its incarnation, with ``retention`` ``interest`` and no direct get)."""
+
+    name: str
+    #: the stream's creation time as the server reports it (RFC 3339, ns): identifies
+    #: this incarnation; a deleted and recreated stream has a new one.
+    incarnation: str
+    first_seq: int
+    last_seq: int
+    messages: int
+    retention: str
+    allow_direct: bool
+
+
+#: One message as read: (offset, payload, headers, store time). JetStream: the time is the
+#: ``Nats-Time-Stamp`` string (RFC 3339, ns) on the direct-get path and integer nanoseconds since
+#: the epoch on the consumer path (one chunk holds one kind); Redis: integer milliseconds, and the
+#: headers hold the frame's id and rows (:mod:`isbflow.isb.frames`).
+Message = tuple[int, bytes, dict, "str | int"]
 
 
 @dataclass(frozen=True)

@@ -90,12 +90,7 @@ def test_a_deleted_key_reads_as_none(open_bucket):
     assert run(open_bucket, _put_two_delete_two)[:3] == (None, None, b"2")
 
 
-def test_a_deleted_key_is_not_listed(open_bucket, request):
-    if request.node.callspec.params["open_bucket"] == "jetstream":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="JetStreamKeyValue.keys() lists the stream's subjects, and a delete leaves a "
-                                "marker on its subject: deleted keys (and deletes of keys never put) are listed, "
-                                "against KeyValue.keys()'s 'every key holding a value'"))
+def test_a_deleted_key_is_not_listed(open_bucket):
     assert run(open_bucket, _put_two_delete_two)[3] == ["step.b"]
 
 

@@ -5,7 +5,7 @@ A bucket is a KV stream ``KV_<bucket>`` made when the pipeline's ISB service is 
 subjects (``STREAM.INFO`` with a subjects filter), not with nats-py's ``KeyValue.keys()``: that
 lists through an ordered watcher that stops at the first delivery reporting nothing pending, and
 it has come back short (a ledger read without a sink whose four commits had each recorded their
-offsets). A deleted key keeps a marker on its subject, so a listed key may read as None.
+offsets). A deleted key keeps a marker on its subject; :meth:`JetStreamKeyValue.keys` leaves it out.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ class JetStreamKeyValue:
             info = await self.nc.jetstream().stream_info(f"KV_{self.bucket}", subjects_filter=prefix + ">")
         except NotFoundError:
             raise BucketMissing(self.bucket) from None
-        return sorted(s[len(prefix):] for s in (info.state.subjects or {}))
+        # a deleted or purged key keeps a marker on its subject: only keys whose last message is a value
+        listed = sorted(s[len(prefix):] for s in (info.state.subjects or {}))
+        held = await asyncio.gather(*(self.get(k) for k in listed))
+        return [k for k, v in zip(listed, held, strict=True) if v is not None]
 
     async def add(self, key: str, n: int) -> int:
         """Compare-and-set on the key's revision, again while another adder got in between."""

@@ -10,7 +10,7 @@ user               may
 ``producer``       write frames into the granted pipelines' source streams (the write script
                    and the commands it runs); read nothing
 ``pipeline-<p>``   what pipeline ``p``'s drivers need on ``p``'s own streams only (its edge
-                   partitions, source streams and dead letters): write, read ranges, release,
+                   partitions, source streams and dead letters): write, read ranges, wait for appends, release,
                    check for loss; read and write ``p``'s control, status and ledger buckets
                    (:mod:`isbflow.isb.redis.kv`); read the reference-table buckets its grant
                    lists (``PipelineGrant.references``); nothing of another pipeline
@@ -51,7 +51,7 @@ WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hget", "hset", "
 #: the key-value buckets' commands (:class:`isbflow.isb.redis.kv.RedisKeyValue`, and reading a whole bucket)
 KV_COMMANDS = ("hget", "hset", "hdel", "hkeys", "hincrby", "hgetall")
 #: a pipeline's drivers: writing, the read, release, state and create scripts, and its buckets
-PIPELINE_COMMANDS = tuple(dict.fromkeys((*WRITE_COMMANDS, *KV_COMMANDS, "xrange", "xtrim", "xinfo|stream",
+PIPELINE_COMMANDS = tuple(dict.fromkeys((*WRITE_COMMANDS, *KV_COMMANDS, "xrange", "xread", "xtrim", "xinfo|stream",
                                          "zremrangebyscore", "zcard")))
 
 

@@ -16,6 +16,7 @@ from isbflow.isb.redis.acl import ADMIN
 from isbflow.isb.redis.buffers import RedisBuffer
 from isbflow.isb.redis.client import connect
 from isbflow.isb.redis.kv import RedisKeyValue
+from isbflow.isb.redis.partitions import RedisBuffers
 
 
 class RedisStore:
@@ -25,6 +26,7 @@ class RedisStore:
     def __init__(self, client: Any):
         self.client = client
         self._buckets: dict[str, RedisKeyValue] = {}
+        self._closed = False
 
     @classmethod
     def open(cls, data_dir: Path | str, user: str = ADMIN) -> RedisStore:
@@ -44,8 +46,21 @@ class RedisStore:
         (``capacity``, ``dedup_window``)."""
         return RedisBuffer(self.client, stream, **kw)
 
+    def buffers(self) -> RedisBuffers:
+        """The buffer role of :mod:`isbflow.isb.buffers` on this store (state, range reads, waits, release)."""
+        return RedisBuffers(self.client)
+
     async def aclose(self) -> None:
+        self._closed = True
         await self.client.aclose()
+
+    async def close(self) -> None:
+        """:meth:`aclose`, under the name the sessions of :mod:`isbflow.isb.connect` call on any connection."""
+        await self.aclose()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     async def __aenter__(self) -> RedisStore:
         return self
