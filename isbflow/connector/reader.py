@@ -115,7 +115,7 @@ from isbflow.connector.batches import (  # noqa: F401
 from isbflow.connector.offsets import StreamOffset
 from isbflow.connector.options import MIN_SPLIT_MSGS, ReaderOptions
 from isbflow.isb import dlq, frames
-from isbflow.isb.buffers import StreamState, stream_state, wait_for_append
+from isbflow.isb.buffers import StreamState, read_partition, stream_state, wait_for_append
 from isbflow.isb.connect import NatsSettings, SyncSession, run_with
 from isbflow.isb.dlq import add_dead_frames, dead_frames, dead_frames_key  # noqa: F401 - re-exported
 from isbflow.isb.errors import (
@@ -124,7 +124,6 @@ from isbflow.isb.errors import (
     BufferReadError,
     ConnectorOptionError,
 )
-from isbflow.isb.read import read_partition
 from isbflow.isb.state import get_drain_point
 
 log = logging.getLogger(__name__)

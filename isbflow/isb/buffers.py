@@ -18,15 +18,18 @@ same way.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from isbflow.isb import read as js_read
 from isbflow.isb import release as js_release
 from isbflow.isb import wait as js_wait
+from isbflow.isb.connect import IsbSettings, close_loop, connect
+from isbflow.isb.errors import BufferLost
 from isbflow.isb.read import Message, StreamState
 
-__all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_range", "release",
+__all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_partition", "read_range", "release",
            "stream_state", "wait_for_append"]
 
 
@@ -104,3 +107,55 @@ async def wait_for_append(conn: Any, after: Mapping[str, int], timeout: float,
 async def release(conn: Any, stream: str, upto: int, retention: object, incarnation: str | None = None) -> int:
     """:meth:`Buffers.release` of ``conn``'s store."""
     return await of(conn).release(stream, upto, retention, incarnation)
+
+
+def read_partition(settings: IsbSettings, stream: str, incarnation: str, first: int, last: int, *,
+                   on_gap: Callable[[int, int], None] | None = None,
+                   on_recreated: Callable[[str], None] | None = None,
+                   prefer_consumer: bool = False, keep_headers: bool = True) -> Iterator[list[Message]]:
+    """Synchronous range read for one Spark task (an executor has no loop nor connection), checking
+    the incarnation before and after, with :func:`isbflow.isb.read.read_partition`'s contract:
+    the partition must be ``incarnation`` before the read and still after it, else
+    :class:`BufferLost`; with ``on_recreated`` a partition already gone or recreated *before* the
+    read is reported there and nothing is yielded. JetStream keeps its own path (its consumer
+    read for events, ``prefer_consumer``/``keep_headers``); another store reads through its
+    :class:`Buffers`."""
+    if getattr(settings, "store", "jetstream") == "jetstream":
+        yield from js_read.read_partition(settings, stream, incarnation, first, last, on_gap=on_gap,
+                                          on_recreated=on_recreated, prefer_consumer=prefer_consumer,
+                                          keep_headers=keep_headers)
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        conn = loop.run_until_complete(connect(settings, name=f"isbflow-read-{stream}"))
+        try:
+            store = of(conn)
+
+            def same(before: bool) -> bool:
+                st = loop.run_until_complete(store.state(stream))
+                if st is not None and st.incarnation == incarnation:
+                    return True
+                reason = ("the stream no longer exists" if st is None else
+                          f"the stream was recreated (incarnation {incarnation} is gone, now {st.incarnation})")
+                if on_recreated is None or not before:
+                    raise BufferLost(stream, first, last, reason)
+                on_recreated(reason)
+                return False
+
+            if not same(before=True):
+                return
+            agen = store.read_range(stream, first, last, on_gap=on_gap)
+            try:
+                while True:
+                    try:
+                        msgs = loop.run_until_complete(agen.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    yield msgs
+            finally:
+                loop.run_until_complete(agen.aclose())
+            same(before=False)
+        finally:
+            loop.run_until_complete(conn.close())
+    finally:
+        close_loop(loop)

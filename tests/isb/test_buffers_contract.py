@@ -47,6 +47,7 @@ class Store:
 
     conn: Any
     append: Callable[[str, list[bytes]], Awaitable[None]]
+    settings: Any
 
 
 @pytest.fixture(params=["jetstream", "redis"])
@@ -72,7 +73,7 @@ def open_store(request):
                         "Nats-Msg-Id": f"{stream}:{next(counter)}", HDR_FRAME: FRAME_FORMAT, HDR_ROWS: "1"})
 
             try:
-                yield Store(nc, append), name
+                yield Store(nc, append, settings), name
             finally:
                 await nc.close()
 
@@ -81,7 +82,8 @@ def open_store(request):
 
     @asynccontextmanager
     async def redis() -> AsyncIterator[tuple[Store, str]]:
-        store = await connect(_redis_settings(handle), name="t-buffers-contract")
+        settings = _redis_settings(handle)
+        store = await connect(settings, name="t-buffers-contract")
         name = f"bc-{next(_names)}"
         counter = itertools.count()
 
@@ -89,7 +91,7 @@ def open_store(request):
             await store.buffer(stream).write([OutFrame(f"{stream}:{next(counter)}", p, 1) for p in payloads])
 
         try:
-            yield Store(store, append), name
+            yield Store(store, append, settings), name
         finally:
             await store.close()
 
@@ -172,6 +174,23 @@ def test_a_wait_ends_on_an_append_on_its_timeout_or_when_told(open_store):
         return woke, early, idle, told
 
     assert run(open_store, body) == (True, True, False, False)
+
+
+def test_a_task_reads_its_partition_checking_the_incarnation_before_and_after(open_store):
+    async def body(s: Store, stream: str):
+        await s.append(stream, PAYLOADS)
+        return (await buffers.stream_state(s.conn, stream)).incarnation, s.settings, stream
+
+    inc, settings, stream = run(open_store, body)
+    # a task runs outside any event loop, with its own connection
+    got = [m[0] for chunk in buffers.read_partition(settings, stream, inc, 2, 5) for m in chunk]
+    told: list[str] = []
+    skipped = list(buffers.read_partition(settings, stream, "another-life", 1, 5, on_recreated=told.append))
+    with pytest.raises(BufferLost) as lost:
+        list(buffers.read_partition(settings, stream, "another-life", 1, 5))
+    assert got == [2, 3, 4, 5]
+    assert skipped == [] and len(told) == 1 and "recreated" in told[0]
+    assert "recreated" in str(lost.value)
 
 
 def test_a_wrong_password_is_refused_naming_the_url_not_the_password(redis_store):
