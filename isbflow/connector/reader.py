@@ -294,7 +294,7 @@ class _RangeReader:
         assert pipeline and vertex
 
         async def go(nc) -> None:
-            stored = await dlq.publish_dead_letters(nc.jetstream(), pipeline, vertex, letters)
+            stored = await dlq.publish_dead_letters(dlq.dead_letter_target(nc), pipeline, vertex, letters)
             if stored:
                 await add_dead_frames(nc, pipeline, vertex, stored)
 

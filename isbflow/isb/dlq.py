@@ -152,12 +152,22 @@ async def publish_dead_letters(
     ``subject`` overrides ``naming.dlq_subject(pipeline, vertex)`` (it must
     still fall in the dead-letter stream's ``isb.<pipeline>.dlq.>``).
 
-    Runs wherever there is a JetStream context (driver or executor). Returns
-    how many JetStream stored (duplicates of an earlier attempt not counted).
+    ``js``: a JetStream context, or a store object with its own dead-letter role (Redis:
+    :class:`isbflow.isb.redis.dead_letters.RedisDeadLetters`, one entry per letter, its body as
+    here). Runs wherever there is a connection (driver or executor). Returns how many the store
+    stored (duplicates of an earlier attempt not counted).
     Raises :class:`DeadLetterBufferNotFound` when no stream stores the
     subject, and the publish error when the stream is full: a record must
     never vanish silently.
     """
+    own = getattr(js, "dead_letters", None)
+    if own is not None and callable(own):  # a store object (Redis): the letters go through its role
+        letters = [r if isinstance(r, DeadLetter) else DeadLetter(record=r, reason=reason) for r in records]
+        encoded = []
+        for letter in letters:
+            headers, body = encode_dead_letter(letter, vertex, max_payload or MAX_LETTER_BYTES + HEADER_ROOM)
+            encoded.append((headers.get("Nats-Msg-Id"), body))
+        return await own().publish(naming.dlq_stream(pipeline), encoded)
     if max_payload is None:
         max_payload = js._nc.max_payload  # the server's limit, learnt on connect
     subject = subject or naming.dlq_subject(pipeline, vertex)
@@ -173,6 +183,12 @@ async def publish_dead_letters(
     return stored
 
 
+def dead_letter_target(nc: Any) -> Any:
+    """Where :func:`publish_dead_letters` writes on connection ``nc``: a store object itself, or
+    a nats-py client's JetStream context."""
+    return nc if callable(getattr(nc, "dead_letters", None)) else nc.jetstream()
+
+
 def publish_dead_letters_sync(
     settings: NatsSettings,
     pipeline: str,
@@ -182,7 +198,7 @@ def publish_dead_letters_sync(
 ) -> int:
     """:func:`publish_dead_letters` for code without an event loop (a plain executor function)."""
 
-    return run_with(settings, lambda nc: publish_dead_letters(nc.jetstream(), pipeline, vertex, records, reason),
+    return run_with(settings, lambda nc: publish_dead_letters(dead_letter_target(nc), pipeline, vertex, records, reason),
                     name=f"isbflow-dlq-{pipeline}-{vertex}")
 
 
@@ -197,6 +213,10 @@ async def read_dead_letters(settings: NatsSettings, pipeline: str, vertex: str |
     subject = naming.dlq_subject(pipeline, vertex) if vertex else f"isb.{pipeline}.dlq.>"
     stream = naming.dlq_stream(pipeline)
     async with session(settings, name=f"isbflow-dlq-read-{pipeline}") as nc:
+        own = getattr(nc, "dead_letters", None)
+        if own is not None and callable(own):
+            return [{**letter, "seq": seq, "subject": naming.dlq_subject(pipeline, str(letter.get("step", "")))}
+                    for seq, letter in await own().read(stream, vertex, limit)]
         jsm = nc.jsm()
         try:
             await jsm.stream_info(stream)
@@ -221,6 +241,9 @@ async def dead_letter_origins(nc, pipeline: str) -> list[str]:
     oldest first: what the offset ledger folds into a sink's ranges. Bounded by the dead-letter
     stream's own limits; ``[]`` when there is no dead-letter stream."""
     stream, subject = naming.dlq_stream(pipeline), f"isb.{pipeline}.dlq.>"
+    own = getattr(nc, "dead_letters", None)
+    if own is not None and callable(own):
+        return [str(letter["origin"]) for _, letter in await own().read(stream) if letter.get("origin")]
     jsm = nc.jsm()
     out: list[str] = []
     seq = 1

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from nats.js.api import RePublish, RetentionPolicy, StreamConfig
 
-from isbflow.isb import buffers, naming
+from isbflow.isb import buffers, dlq, naming
 from isbflow.isb.connect import IsbUnreachable, RedisSettings, connect
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.frames import FRAME_FORMAT, HDR_FRAME, HDR_ROWS
@@ -48,6 +48,8 @@ class Store:
     conn: Any
     append: Callable[[str, list[bytes]], Awaitable[None]]
     settings: Any
+    #: makes pipeline's dead-letter buffer where the store needs it made (JetStream's stream)
+    prepare_dlq: Callable[[str], Awaitable[None]] = None  # type: ignore[assignment]
 
 
 @pytest.fixture(params=["jetstream", "redis"])
@@ -72,8 +74,11 @@ def open_store(request):
                     await js.publish(subject, p, headers={
                         "Nats-Msg-Id": f"{stream}:{next(counter)}", HDR_FRAME: FRAME_FORMAT, HDR_ROWS: "1"})
 
+            async def prepare_dlq(pipeline: str) -> None:
+                await js.add_stream(StreamConfig(name=naming.dlq_stream(pipeline), subjects=[f"isb.{pipeline}.dlq.>"]))
+
             try:
-                yield Store(nc, append, settings), name
+                yield Store(nc, append, settings, prepare_dlq), name
             finally:
                 await nc.close()
 
@@ -90,8 +95,11 @@ def open_store(request):
         async def append(stream: str, payloads: list[bytes]) -> None:
             await store.buffer(stream).write([OutFrame(f"{stream}:{next(counter)}", p, 1) for p in payloads])
 
+        async def prepare_dlq(pipeline: str) -> None:
+            return None
+
         try:
-            yield Store(store, append, settings), name
+            yield Store(store, append, settings, prepare_dlq), name
         finally:
             await store.close()
 
@@ -191,6 +199,32 @@ def test_a_task_reads_its_partition_checking_the_incarnation_before_and_after(op
     assert got == [2, 3, 4, 5]
     assert skipped == [] and len(told) == 1 and "recreated" in told[0]
     assert "recreated" in str(lost.value)
+
+
+def test_dead_letters_are_stored_once_read_back_per_step_and_give_their_origins(open_store):
+    pipeline = f"dl{next(_names)}"
+
+    async def body(s: Store, stream: str):
+        await s.prepare_dlq(pipeline)
+        target = dlq.dead_letter_target(s.conn)
+        letters = [dlq.DeadLetter(record={"_isb_id": "in/0/7", "n": 1}, reason="bad n", msg_id="parse:1:0:dlq:0"),
+                   dlq.DeadLetter(record={"n": 2}, reason="too big")]
+        first = await dlq.publish_dead_letters(target, pipeline, "parse", letters)
+        again = await dlq.publish_dead_letters(target, pipeline, "parse", letters[:1])  # a re-executed batch
+        other = await dlq.publish_dead_letters(target, pipeline, "enrich", [{"_isb_id": "in/0/9"}], reason="r")
+        return first, again, other, await dlq.dead_letter_origins(s.conn, pipeline), s.settings
+
+    first, again, other, origins, settings = run(open_store, body)
+    parse = asyncio.run(dlq.read_dead_letters(settings, pipeline, "parse"))
+    everything = asyncio.run(dlq.read_dead_letters(settings, pipeline))
+    assert (first, again, other) == (2, 0, 1)
+    assert [(d["reason"], d["origin"], d["record"]) for d in parse] == [
+        ("bad n", "in/0/7", {"_isb_id": "in/0/7", "n": 1}),
+        ("too big", "", {"n": 2})]
+    assert [d["step"] for d in everything] == ["parse", "parse", "enrich"]
+    assert [d["seq"] for d in everything] == sorted(d["seq"] for d in everything)
+    assert all(d["subject"] == naming.dlq_subject(pipeline, d["step"]) for d in everything)
+    assert origins == ["in/0/7", "in/0/9"]
 
 
 def test_a_wrong_password_is_refused_naming_the_url_not_the_password(redis_store):

@@ -15,6 +15,7 @@ from typing import Any
 from isbflow.isb.redis.acl import ADMIN
 from isbflow.isb.redis.buffers import RedisBuffer
 from isbflow.isb.redis.client import connect
+from isbflow.isb.redis.dead_letters import RedisDeadLetters
 from isbflow.isb.redis.kv import RedisKeyValue
 from isbflow.isb.redis.partitions import RedisBuffers
 
@@ -45,6 +46,10 @@ class RedisStore:
         """Partition ``stream``; ``kw`` as :class:`isbflow.isb.redis.buffers.RedisBuffer` takes them
         (``capacity``, ``dedup_window``)."""
         return RedisBuffer(self.client, stream, **kw)
+
+    def dead_letters(self) -> RedisDeadLetters:
+        """The dead-letter role (:mod:`isbflow.isb.dlq` calls it on a store object)."""
+        return RedisDeadLetters(self.client)
 
     def buffers(self) -> RedisBuffers:
         """The buffer role of :mod:`isbflow.isb.buffers` on this store (state, range reads, waits, release)."""
