@@ -77,6 +77,16 @@ def _start(tmp_path_factory: pytest.TempPathFactory, cluster: int):
 
 
 @pytest.fixture
+def redis_server():
+    """A throwaway redis-server (tests.helpers.redis_server): 127.0.0.1, a password, stopped by PID;
+    a machine without redis-server fails the test, never skips it."""
+    from tests.helpers.redis_server import running_redis  # lazy: only the Redis tests import redis-py
+
+    with running_redis() as r:
+        yield r
+
+
+@pytest.fixture
 def nats_server(tmp_path_factory):
     """A fresh single-node nats-server with JetStream and auth, for one test."""
     yield from _start(tmp_path_factory, 1)

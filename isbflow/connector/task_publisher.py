@@ -33,13 +33,11 @@ from isbflow.connector.write_options import (
     UNAVAILABLE_FOR,
     UNROUTED_COLUMN,
     BufferWriteError,
-    FanOutReport,
     InvalidPartitionColumn,
     JetStreamWriteReport,
     OutputBufferNotFound,
     WriterOptions,
     partition_columns,
-    target_column,
 )
 from isbflow.isb import naming
 from isbflow.isb.connect import connect
@@ -49,6 +47,7 @@ from isbflow.isb.ledger import ID_COLUMN
 from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
 from isbflow.isb.ranges import union
 from isbflow.isb.routed import routed_away
+from isbflow.isb.store import BufferFull, OutFrame, write_until_stored
 from isbflow.spec.constants import OnFull
 
 if TYPE_CHECKING:
@@ -57,6 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _LOG_EVERY = 5.0
 _MAX_BACKOFF = 2.0
+#: frames of one partition a store's writer gets per call (the generic path of :meth:`TaskPublisher.attach`)
+STORE_WRITE_FRAMES = 64
+#: the largest frame on a store without a server-wide limit (JetStream's is the server's max_payload):
+#: the embedded nats-server's, so a pipeline's frames are cut the same on either store
+STORE_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 
@@ -130,8 +134,18 @@ class TaskPublisher:
         return self.report
 
     async def attach(self, nc) -> None:
-        """Publish on ``nc`` (one connection per task, shared by a fan-out's edges)."""
+        """Publish on ``nc`` (one connection per task, shared by a fan-out's edges): a nats-py
+        client (acked, pipelined JetStream publishes) or a store object whose partitions are
+        :class:`isbflow.isb.store.BufferWriter` objects (``nc.buffer(stream)``: frames are written
+        in calls of :data:`STORE_WRITE_FRAMES`, idempotent by frame id, the store refusing what a
+        full partition cannot take)."""
         self.nc = nc
+        if callable(getattr(nc, "buffer", None)):
+            self.store_frames: dict[int, list[OutFrame]] | None = {}
+            self.js = nc  # the dead-letter target: the store object itself (isb.dlq)
+            self.max_payload = self.opts.max_payload or STORE_MAX_PAYLOAD
+            return
+        self.store_frames = None
         self.js: nats.js.JetStreamContext = nc.jetstream()
         self.pipe = AckedPublisher(nc, _settle_in_flight, _in_flight_message, unavailable_for=UNAVAILABLE_FOR)
         await self.pipe.start()
@@ -168,6 +182,9 @@ class TaskPublisher:
         """Publish what is pending and wait for every acknowledgement."""
         for buf in list(self.buffers.values()):
             await self._flush(buf, final=True)
+        if self.store_frames is not None:
+            for buf in list(self.buffers.values()):
+                await self._store_write(buf)
         while self.inflight:
             await self._settle_oldest()
         self.report.blocked_seconds = round(self.report.blocked_seconds, 3)
@@ -296,6 +313,12 @@ class TaskPublisher:
     async def _publish(self, buf: _Buffer, frame: Frame) -> None:
         msg_id = frame_id(self.opts.step, self.batch_id, self.task, buf.partition, buf.chunk, frame.payload)
         buf.chunk += 1
+        if self.store_frames is not None:
+            pending = self.store_frames.setdefault(buf.partition, [])
+            pending.append(OutFrame(msg_id, frame.payload, frame.rows))
+            if len(pending) >= STORE_WRITE_FRAMES:
+                await self._store_write(buf)
+            return
         headers = {"Nats-Msg-Id": msg_id, HDR_FRAME: FRAME_FORMAT, HDR_ROWS: str(frame.rows)}
         if self.capacity is not None and not await self._admit(buf):
             self._discard(buf, frame.rows)
@@ -363,6 +386,36 @@ class TaskPublisher:
         self.report.blocked_seconds += time.monotonic() - started
         self._acked(buf, f.rows, ack.duplicate)
 
+    async def _store_write(self, buf: _Buffer) -> None:
+        """Write the partition's pending frames through the store's writer role: under
+        ``retryUntilSuccess`` waiting while the partition is full (back-pressure), under
+        ``discardLatest`` dropping and counting what a full partition refused."""
+        assert self.store_frames is not None
+        frames = self.store_frames.pop(buf.partition, [])
+        if not frames:
+            return
+        writer = self.nc.buffer(buf.ep.stream, capacity=self.capacity)
+        rows = {f.frame_id: f.rows for f in frames}
+        if self.opts.on_full == OnFull.DISCARD_LATEST:
+            try:
+                written = await writer.write(frames)
+            except BufferFull as full:
+                written = full.stored
+                for f in frames[full.written:]:
+                    self._discard(buf, f.rows)
+        else:
+            started, refused = time.monotonic(), []
+
+            def on_full(full: BufferFull) -> None:
+                refused.append(full)
+                self._log_full(buf, f"{full.capacity} frames not yet committed by {self.opts.to}")
+
+            written = await write_until_stored(writer, frames, max_pause=_MAX_BACKOFF, on_full=on_full)
+            if refused:
+                self.report.blocked_seconds += time.monotonic() - started
+        for w in written:
+            self._acked(buf, rows[w.frame_id], w.duplicate)
+
     # -- full buffers
     async def _admit(self, buf: _Buffer) -> bool:
         """True when the partition has room for one more frame (waiting for it under
@@ -413,60 +466,3 @@ class TaskPublisher:
             except ValueError:
                 log.warning("status key %s does not hold a sequence number; treated as nothing committed", key)
         return max(0, last - max(committed, first - 1))
-
-
-
-
-class FanOutPublisher:
-    """One task of a fan-out writer: every out edge of a step from one pass over its rows.
-
-    One connection; rows are screened once (unrouted counted, errors dead-lettered: in the first
-    edge's report), then each edge takes the rows whose ``_isb_partition_<i>`` is set, into the
-    partition it names, with its own frames, ids, full-buffer handling and report.
-    """
-
-    def __init__(self, targets: list[WriterOptions], batch_id: int, task: int):
-        self.pubs = [TaskPublisher(o, batch_id, task) for o in targets]
-        self.columns = [target_column(i) for i in range(len(targets))]
-
-    async def run(self, batches: Iterator[pa.RecordBatch]) -> FanOutReport:
-        lead = self.pubs[0]
-        batches = iter(batches)
-        first = next((b for b in batches if b.num_rows), None)
-        if first is not None:
-            nc = await connect(lead.opts.settings, name=f"isbflow-writer-{lead.opts.step}-{lead.task}")
-            try:
-                for pub in self.pubs:
-                    await pub.attach(nc)
-                for batch in itertools.chain([first], batches):
-                    self._check(batch)
-                    for pub, name in zip(self.pubs, self.columns, strict=True):
-                        if pub.opts.routed_sinks:
-                            pub.note_routed(batch, pc.is_valid(batch.column(name)))
-                    await self._fan_out(await lead.screen(batch))
-                for pub in self.pubs:
-                    await pub.finish()
-            finally:
-                await nc.close()
-        return FanOutReport([pub.report for pub in self.pubs])
-
-    def _check(self, batch: pa.RecordBatch) -> None:
-        missing = [c for c in self.columns if c not in batch.schema.names]
-        if missing:
-            raise InvalidPartitionColumn(f"step {self.pubs[0].opts.step}: a fan-out writer of "
-                                         f"{len(self.pubs)} edges needs the columns {', '.join(self.columns)} "
-                                         f"(missing: {', '.join(missing)})")
-
-    async def _fan_out(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows == 0:
-            return
-        data = batch.drop_columns(partition_columns(batch.schema.names))
-        for pub, name in zip(self.pubs, self.columns, strict=True):
-            col = batch.column(name)
-            if col.null_count == batch.num_rows:
-                continue
-            if col.null_count:
-                take = pc.is_valid(col)
-                await pub.feed(data.filter(take), col.filter(take))
-            else:
-                await pub.feed(data, col)

@@ -153,7 +153,8 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
         """Executor: publish this task's rows as frames; return what was published."""
         # lazy: the publisher brings pyarrow and nats-py (~0.4 s of imports); the sink runner Spark starts
         # once per query unpickles this writer and runs commit() only, which needs neither
-        from isbflow.connector.task_publisher import FanOutPublisher, TaskPublisher
+        from isbflow.connector.fan_out import FanOutPublisher
+        from isbflow.connector.task_publisher import TaskPublisher
 
         batch_id, task = self.task_identity()
         if self.targets is not None:
