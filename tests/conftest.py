@@ -80,7 +80,8 @@ def _start(tmp_path_factory: pytest.TempPathFactory, cluster: int):
 def redis_server():
     """A throwaway redis-server (tests.helpers.redis_server): 127.0.0.1, a password, stopped by PID;
     a machine without redis-server fails the test, never skips it."""
-    from tests.helpers.redis_server import running_redis  # lazy: only the Redis tests import redis-py
+    # lazy: only the Redis tests import redis-py
+    from tests.helpers.redis_server import running_redis
 
     with running_redis() as r:
         yield r

@@ -9,7 +9,8 @@ row's other columns as one JSON object. Keys use the KV alphabet
   value is unchanged, so re-loading the same file changes nothing, not even the
   revision; ``replace=True`` also deletes keys absent from ``rows``.
 - :func:`load` returns ``(revision, table)``: ``revision`` is the bucket stream's
-  last sequence, which every put or delete raises; the table is a
+  last sequence, which every put or delete raises (on a store with its own key-value role,
+  Redis, a counter every put that changes something raises: :data:`REVISION_KEY`); the table is a
   ``pyarrow.Table`` with the key column first, rows sorted by key. A load that
   does not finish within ``timeout`` seconds (:data:`LOAD_TIMEOUT`) fails with
   a :class:`ReferenceError` naming the bucket, never waits forever.
@@ -39,6 +40,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.read import read_range, stream_state
+from isbflow.isb.store import KeyValue
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -48,6 +50,9 @@ _KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 _HISTORY = 1
 #: seconds a load (or a revision check) of a reference table may take before it fails
 LOAD_TIMEOUT = 30.0
+#: a store with its own key-value role (Redis) keeps the table's revision under this key, which the
+#: key alphabet cannot spell (JetStream's revision is the bucket stream's last sequence)
+REVISION_KEY = "#revision"
 
 
 class ReferenceError(Exception):
@@ -141,6 +146,8 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
     check_rows(rows)
     bucket = naming.reference_bucket(pipeline, name)
     async with session(settings, name="isbflow-ref") as nc:
+        if _own_buckets(nc):
+            return await _put_kv(await nc.kv(bucket), rows, replace)
         js = nc.jetstream()
         try:
             kv = await js.key_value(bucket)
@@ -165,6 +172,35 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
 
 
+def _own_buckets(conn: Any) -> bool:
+    """True when ``conn`` is a store object with its own key-value role (Redis), whose tables are
+    kept through :class:`isbflow.isb.store.KeyValue`; False for a nats-py client (KV streams)."""
+    return callable(getattr(conn, "kv", None))
+
+
+async def _put_kv(kv: KeyValue, rows: Mapping[str, Mapping[str, Any]], replace: bool) -> dict[str, int]:
+    """:func:`put` on a store's key-value role: rows as keys, and the revision a counter under
+    :data:`REVISION_KEY` (outside the key alphabet, so never a row), raised once per put that
+    changed something."""
+    current = await kv.items()
+    current.pop(REVISION_KEY, None)
+    written = unchanged = deleted = 0
+    for key in sorted(rows):
+        data = _encode(rows[key])
+        if current.get(key) == data:
+            unchanged += 1
+            continue
+        await kv.put(key, data)
+        written += 1
+    if replace:
+        for key in sorted(set(current) - set(rows)):
+            await kv.delete(key)
+            deleted += 1
+    held = await kv.get(REVISION_KEY)
+    revision = await kv.add(REVISION_KEY, 1) if written or deleted or held is None else int(held)
+    return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
+
+
 def _timed_out(pipeline: str, name: str, settings: NatsSettings, what: str, timeout: float) -> ReferenceError:
     return ReferenceError(
         f"{what} reference table {name!r} of pipeline {pipeline} (KV bucket {naming.reference_bucket(pipeline, name)}) "
@@ -183,6 +219,11 @@ async def revision(settings: NatsSettings, pipeline: str, name: str, timeout: fl
     """The table's revision: the bucket stream's last sequence (one small request)."""
     async def go() -> int:
         async with session(settings, name="isbflow-ref") as nc:
+            if _own_buckets(nc):
+                rev = await (await nc.kv(naming.reference_bucket(pipeline, name))).get(REVISION_KEY)
+                if rev is None:
+                    raise _not_found(pipeline, name, settings)
+                return int(rev)
             try:
                 return (await nc.jetstream().stream_info(
                     _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
@@ -224,6 +265,12 @@ async def load(settings: NatsSettings, pipeline: str, name: str, key: str = "key
 
     async def go() -> tuple[int, dict[str, bytes]]:
         async with session(settings, name="isbflow-ref") as nc:
+            if _own_buckets(nc):
+                entries = await (await nc.kv(bucket)).items()
+                rev = entries.pop(REVISION_KEY, None)
+                if rev is None:
+                    raise _not_found(pipeline, name, settings)
+                return int(rev), entries
             js = nc.jetstream()
             try:
                 rev = (await js.stream_info(_bucket_stream(bucket))).state.last_seq

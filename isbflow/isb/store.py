@@ -248,6 +248,10 @@ class KeyValue(Protocol):
         """Every key holding a value, sorted."""
         ...
 
+    async def items(self) -> dict[str, bytes]:
+        """Every key holding a value, with its value."""
+        ...
+
     async def add(self, key: str, n: int) -> int:
         """Add ``n`` to the integer the key holds (0 when it has none), atomically against other
         adders; the new value."""

@@ -14,8 +14,7 @@ import pyarrow as pa
 
 from isbflow.connector.writer import PARTITION_COLUMN, JetStreamStreamWriter, WriterOptions
 from isbflow.isb import dlq, frames, naming
-from isbflow.isb.connect import RedisSettings, connect
-from isbflow.isb.redis.server import read_state
+from isbflow.isb.connect import connect
 from isbflow.spec.models import OnFull
 from tests.helpers.memory_source import memory_rows
 
@@ -25,13 +24,6 @@ WAIT = 60.0
 
 def ep(p: int) -> naming.EdgePartition:
     return naming.EdgePartition(PIPE, STEP, TO, p)
-
-
-def settings_of(redis_server) -> RedisSettings:
-    state = read_state(redis_server.data_dir)
-    assert state is not None
-    pw = (redis_server.data_dir / "redis" / "password").read_text().strip()
-    return RedisSettings(url=f"redis://127.0.0.1:{state.port}/0", password=pw)
 
 
 def options(settings, **kw) -> WriterOptions:
@@ -81,7 +73,7 @@ def release(settings, stream: str, upto: int) -> int:
 
 
 def test_a_reexecuted_batch_is_stored_once_and_another_batch_is_new(redis_server):
-    settings = settings_of(redis_server)
+    settings = redis_server.settings()
     opts = options(settings, partitions=2, frame_rows=1000)
     table = rows_table(10_000)
     first = write_direct(opts, table, batch_id=3, task=1)
@@ -99,7 +91,7 @@ def test_a_reexecuted_batch_is_stored_once_and_another_batch_is_new(redis_server
 
 
 def test_retry_until_success_waits_for_the_downstream_release_and_keeps_order(redis_server):
-    settings = settings_of(redis_server)
+    settings = redis_server.settings()
     stream = ep(0).stream
     # capacity: ceil(3000 * 1.0 / 1000) = 3 frames; 10 frames to write
     opts = options(settings, partitions=1, frame_rows=1000, buffer_max_length=3000, buffer_usage_limit=1.0,
@@ -136,7 +128,7 @@ def test_retry_until_success_waits_for_the_downstream_release_and_keeps_order(re
 
 
 def test_discard_latest_drops_and_counts(redis_server):
-    settings = settings_of(redis_server)
+    settings = redis_server.settings()
     opts = options(settings, partitions=1, frame_rows=1000, buffer_max_length=3000, buffer_usage_limit=1.0,
                    on_full=OnFull.DISCARD_LATEST)
     report = write_direct(opts, rows_table(10_000, partitions=1))
@@ -146,7 +138,7 @@ def test_discard_latest_drops_and_counts(redis_server):
 
 
 def test_a_record_too_large_for_a_frame_is_dead_lettered_and_the_rest_flows(redis_server):
-    settings = settings_of(redis_server)
+    settings = redis_server.settings()
     table = memory_rows(0, 50, columns="id,service,value")
     big = pa.table({"id": [50], "service": ["x" * 40_000], "value": [1.0]}).cast(table.schema)
     table = pa.concat_tables([table, big])

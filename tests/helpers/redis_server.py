@@ -22,6 +22,7 @@ import redis.asyncio
 from isbflow.isb.redis import server
 from isbflow.isb.redis.acl import ADMIN
 from isbflow.isb.redis.client import connect
+from isbflow.isb.settings import RedisSettings
 
 
 @dataclass
@@ -36,6 +37,13 @@ class RedisHandle:
         st = server.read_state(self.data_dir)
         assert st is not None, f"no redis-server recorded under {self.data_dir}"
         return st
+
+    def settings(self, user: str = ADMIN) -> RedisSettings:
+        """The settings an isbflow connection takes (:func:`isbflow.isb.connect.connect`), as ``user``."""
+        from isbflow.isb.redis.acl import password_file
+
+        return RedisSettings(url=f"redis://127.0.0.1:{self.state.port}/0", user=None if user == ADMIN else user,
+                             password=password_file(self.data_dir, user).read_text().strip())
 
     def client(self, user: str = ADMIN) -> redis.asyncio.Redis:
         return connect(self.data_dir, user)

@@ -94,6 +94,15 @@ def test_a_deleted_key_is_not_listed(open_bucket):
     assert run(open_bucket, _put_two_delete_two)[3] == ["step.b"]
 
 
+def test_items_hold_every_live_key_with_its_value(open_bucket):
+    async def body(kv: KeyValue):
+        await _put_two_delete_two(kv)
+        await kv.put("step.c", b"3")
+        return await kv.items()
+
+    assert run(open_bucket, body) == {"step.b": b"2", "step.c": b"3"}
+
+
 def test_keys_come_sorted(open_bucket):
     names = ["sink.z", "a.b", "step.m.0", "step.m.10", "A.c"]
 

@@ -15,14 +15,23 @@ from tests.conftest import ROOT
 SERVICES_FILE = ROOT / "pipelines" / "reference" / "services.json"
 
 
-def test_put_then_load_round_trips_and_skips_unchanged_rows(nats_server):
-    settings = nats_server.settings
+@pytest.fixture(params=["jetstream", "redis"])
+def store(request):
+    """The settings of a real server of each store: a table behaves the same on both."""
+    if request.param == "jetstream":
+        return request.getfixturevalue("nats_server").settings
+    return request.getfixturevalue("redis_server").settings()
+
+
+def test_put_then_load_round_trips_and_skips_unchanged_rows(store):
+    settings = store
     rows = json.loads(SERVICES_FILE.read_text())
     first = asyncio.run(R.put(settings, "logs", "services", rows))
     assert (first["written"], first["unchanged"], first["deleted"]) == (len(rows), 0, 0)
     again = asyncio.run(R.put(settings, "logs", "services", rows))
     assert (again["written"], again["unchanged"]) == (0, len(rows))
     assert again["revision"] == first["revision"]
+    assert asyncio.run(R.revision(settings, "logs", "services")) == first["revision"]
 
     rev, table = asyncio.run(R.load(settings, "logs", "services", key="service"))
     assert rev == first["revision"]
@@ -37,9 +46,11 @@ def test_put_then_load_round_trips_and_skips_unchanged_rows(nats_server):
     assert "users" not in table.column("service").to_pylist()
 
 
-def test_missing_table_and_bad_rows_are_named(nats_server):
+def test_missing_table_and_bad_rows_are_named(store):
     with pytest.raises(R.ReferenceError, match=r"'services' of pipeline logs does not exist.*isbflow ref put"):
-        asyncio.run(R.load(nats_server.settings, "logs", "services"))
+        asyncio.run(R.load(store, "logs", "services"))
+    with pytest.raises(R.ReferenceError, match=r"'services' of pipeline logs does not exist"):
+        asyncio.run(R.revision(store, "logs", "services"))
     with pytest.raises(R.ReferenceError, match="reference key 'a b' is not allowed"):
         R.check_rows({"a b": {"team": "x"}})
 

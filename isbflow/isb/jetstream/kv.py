@@ -79,6 +79,11 @@ class JetStreamKeyValue:
         held = await asyncio.gather(*(self.get(k) for k in listed))
         return [k for k, v in zip(listed, held, strict=True) if v is not None]
 
+    async def items(self) -> dict[str, bytes]:
+        listed = await self.keys()
+        held = await asyncio.gather(*(self.get(k) for k in listed))
+        return {k: v for k, v in zip(listed, held, strict=True) if v is not None}
+
     async def add(self, key: str, n: int) -> int:
         """Compare-and-set on the key's revision, again while another adder got in between."""
         for _ in range(100):

@@ -49,6 +49,10 @@ class RedisKeyValue:
     async def keys(self) -> list[str]:
         return sorted(_text(k) for k in await self.client.hkeys(self.key))
 
+    async def items(self) -> dict[str, bytes]:
+        """``HGETALL``: every key with its value, at one instant."""
+        return {_text(k): bytes(v) for k, v in (await self.client.hgetall(self.key)).items()}
+
     async def add(self, key: str, n: int) -> int:
         """``HINCRBY``: atomic on the server. ``ValueError`` when the key holds no integer."""
         try:
