@@ -1,9 +1,11 @@
-"""``isbflow isb``: provision a pipeline's buffers (streams and KV buckets) on the ISB service.
+"""``isbflow isb``: start a spec's ISB service (``up``/``down``, JetStream or Redis) and provision a
+pipeline's buffers (streams and KV buckets) on it.
 
 Exit codes: 0 success; 1 the operation failed or was refused, leaving the server
 as it was (unreachable server, server refusal, a change needing --recreate or
---force); 2 bad input (spec, usage, delete without confirmation); 3 ``diff``
-found drift (like ``terraform plan -detailed-exitcode``).
+--force, a server that would not start); 2 bad input (spec, usage, delete without
+confirmation, ``up``/``down`` of an external service); 3 ``diff`` found drift
+(like ``terraform plan -detailed-exitcode``).
 """
 
 from __future__ import annotations
@@ -32,16 +34,23 @@ from isbflow.cli.common import (
 if TYPE_CHECKING:
     from isbflow.ops import isb as ops_isb
     from isbflow.ops.connection import NatsSettings
+    from isbflow.ops.isb_service import ServiceUp
     from isbflow.spec import Specs
 
 DRIFT_EXIT = 3
 
 app = typer.Typer(
-    help="Provision a pipeline's inter-step buffers: one JetStream stream per edge partition, source and "
+    help="Start a spec's ISB service (up/down: the embedded nats-server or redis-server) and provision a "
+         "pipeline's inter-step buffers: one JetStream stream per edge partition, source and "
          "dead-letter streams, and the control/status/ledger KV buckets.\n\n"
-         "Typical use: isbflow isb apply -f pipelines/logs.yaml, then isbflow isb status -f pipelines/logs.yaml",
+         "Typical use: isbflow isb up -f pipelines/logs.yaml, isbflow isb apply -f pipelines/logs.yaml, then "
+         "isbflow isb status -f pipelines/logs.yaml",
     no_args_is_help=True,
 )
+
+ServiceName = Annotated[str | None, typer.Option(
+    "--service", "-s", help="The InterStepBufferService to start or stop, when the files hold several. "
+                            "Default: the pipeline's, else the only one.")]
 
 
 def _table(names: list[str], *columns: str) -> Table:
@@ -283,3 +292,118 @@ def delete(
         console.print(f"deleted {len(deleted)} stream(s)/bucket(s) of pipeline {name}")
         for n in deleted:
             console.print(f"  {n}", markup=False, highlight=False)
+
+
+def _service(files, service: str | None, pipeline: str | None):
+    # lazy: ops.isb_service loads the NATS client and the spec's models, which 'isbflow --help' must not pay for
+    from isbflow.ops.isb_service import pick_service
+    from isbflow.spec import SpecError
+
+    specs = load_or_exit(files)
+    try:
+        return pick_service(specs, service, pipeline)
+    except SpecError as e:
+        fail(str(e), 2)
+
+
+def _print_up(up: ServiceUp) -> None:
+    d = up.to_json()
+    how = "started" if up.started else "already running, reused"
+    if up.store == "redis":
+        console.print(f"redis-server up ({how}): ISB service {up.service} (redis, native) under {up.data_dir}/redis, "
+                      f"pid {d['pid']}, persistence {d['persistence']}"
+                      + (f", fsync {up.fsync}" if up.fsync else ""), markup=False, highlight=False)
+        console.print(f"REDIS_URL={d['url']}", markup=False, highlight=False)
+        console.print(f"user default, password in {d['password_file']} (not printed; isbflow commands read it "
+                      "through --data-dir)", markup=False, highlight=False)
+        if up.settings:
+            console.print("settings: " + ", ".join(f"{k} {v}" for k, v in up.settings.items()),
+                          markup=False, highlight=False)
+        return
+    console.print(f"nats-server up ({how}): ISB service {up.service} (jetstream, embedded), "
+                  f"{len(d['nodes'])} node(s) under {up.data_dir}/nats", markup=False, highlight=False)
+    console.print(f"NATS_URL={','.join(d['urls'])}", markup=False, highlight=False)
+    if d.get("user"):
+        console.print(f"user {d['user']}, password in {d['password_file']} (not printed; isbflow commands read it "
+                      "through --data-dir)", markup=False, highlight=False)
+
+
+@app.command()
+def up(
+    file: SpecFile,
+    service: ServiceName = None,
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Start the spec's ISB service on 127.0.0.1 under --data-dir, whichever store it uses, and wait until it answers.
+
+    jetstream with url: embedded: nats-server, as 'isbflow nats up' starts it, with
+    jetstream.replicas nodes (1 when unset), the settings' store limits and
+    encryption. redis.native: Debian's redis-server with a generated password
+    (DATA_DIR/redis/password, never printed), the spec's persistence and fsync,
+    then its settings.redis lines applied. Running it again reuses the live
+    server. An external service (jetstream.url, redis.external) is refused: isbflow
+    starts nothing for it (exit 2).
+
+    Pipelines on Redis buffers are not runnable yet: the store runs, 'isbflow
+    isb apply' and 'isbflow pipeline start' refuse a Redis spec.
+
+    Examples:
+
+      isbflow isb up -f pipelines/logs.yaml                        # the pipeline's service
+
+      isbflow isb up -f isbsvc-redis.yaml --data-dir /srv/isbflow --json
+
+      isbflow isb down -f isbsvc-redis.yaml --data-dir /srv/isbflow
+    """
+    # lazy: ops.isb_service loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops.isb_service import IsbServiceError
+    from isbflow.ops.isb_service import up as service_up
+
+    svc = _service(file, service, pipeline)
+    try:
+        started = service_up(svc, data_dir_or_default(data_dir))
+    except IsbServiceError as e:
+        fail(str(e), 2 if e.external else 1)
+    if json_out:
+        print_json(started.to_json())
+    else:
+        _print_up(started)
+
+
+@app.command()
+def down(
+    file: SpecFile,
+    service: ServiceName = None,
+    pipeline: PipelineName = None,
+    data_dir: DataDir = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Stop the spec's embedded ISB service under --data-dir by its recorded PID(s). Its data stays.
+
+    nats-server for jetstream (url: embedded), redis-server for redis.native;
+    nothing recorded is not an error. An external service is refused (exit 2).
+
+    Example: isbflow isb down -f isbsvc-redis.yaml --data-dir /srv/isbflow
+    """
+    # lazy: ops.isb_service loads the NATS client and the provisioning code, which 'isbflow --help' must not pay for
+    from isbflow.ops.isb_service import IsbServiceError
+    from isbflow.ops.isb_service import down as service_down
+
+    svc = _service(file, service, pipeline)
+    dd = data_dir_or_default(data_dir)
+    try:
+        stopped = service_down(svc, dd)
+    except IsbServiceError as e:
+        fail(str(e), 2 if e.external else 1)
+    if json_out:
+        print_json(stopped.to_json())
+    elif not stopped.stopped:
+        console.print(f"nothing to stop for ISB service {svc.name} ({svc.store}) under {dd}/", markup=False,
+                      highlight=False)
+    else:
+        server, folder = ("redis-server", "redis") if stopped.store == "redis" else ("nats-server", "nats")
+        console.print(f"stopped ISB service {svc.name}: {len(stopped.stopped)} {server} process(es) (pid "
+                      f"{', '.join(map(str, stopped.stopped))}); data kept under {dd}/{folder}", markup=False,
+                      highlight=False)

@@ -135,3 +135,112 @@ def test_help_teaches_exit_codes_and_examples():
     assert "3 when there is drift" in " ".join(r.stdout.split())
     assert "isbflow isb diff -f pipelines/logs.yaml" in r.stdout
     assert "--recreate" in runner.invoke(app, ["isb", "apply", "--help"], terminal_width=200).stdout
+
+
+# ------------------------------------------------------------------ isb up / down: the spec's own service
+
+REDIS_SPEC = """\
+kind: InterStepBufferService
+metadata:
+  name: default
+spec:
+  redis:
+    native:
+      settings:
+        redis: |
+          maxmemory 64mb
+"""
+
+
+def _stop_all(data_dir) -> None:
+    """The servers recorded under ``data_dir`` stopped by their PIDs, whatever the test did."""
+    from isbflow.isb.redis.server import stop_redis
+    from isbflow.isb.server import stop_embedded
+
+    stop_redis(data_dir)
+    stop_embedded(data_dir)
+
+
+def test_up_and_down_a_redis_spec(tmp_path):
+    import redis
+
+    from isbflow.local.procs import process_alive
+
+    f, dd = tmp_path / "redis.yaml", tmp_path / "data"
+    f.write_text(REDIS_SPEC)
+    args = ["-f", str(f), "--data-dir", str(dd)]
+    try:
+        first = isb("up", *args, "--json")
+        assert first.returncode == 0, first.stderr
+        up = json.loads(first.stdout)
+        assert (up["store"], up["started"], up["settings"]) == ("redis", True, {"maxmemory": "64mb"})
+        password = (dd / "redis" / "password").read_text().strip()
+        assert password not in first.stdout
+        client = redis.Redis(host="127.0.0.1", port=up["port"], password=password, socket_timeout=5)
+        try:
+            assert client.ping() is True
+        finally:
+            client.close()
+
+        again = isb("up", *args)
+        assert again.returncode == 0, again.stderr
+        assert "already running, reused" in again.stdout and f"pid {up['pid']}" in again.stdout
+        assert f"REDIS_URL=redis://127.0.0.1:{up['port']}" in again.stdout and password not in again.stdout
+
+        down = isb("down", *args, "--json")
+        assert down.returncode == 0, down.stderr
+        assert json.loads(down.stdout) == {"service": "default", "store": "redis", "stopped": [up["pid"]]}
+        assert not process_alive(up["pid"])
+    finally:
+        _stop_all(dd)
+
+
+def test_up_and_down_a_jetstream_embedded_spec(tmp_path):
+    from isbflow.local.procs import process_alive
+
+    f, dd = write_spec(tmp_path), tmp_path / "data"  # a pipeline on the default service: jetstream, embedded
+    args = ["-f", str(f), "--data-dir", str(dd)]
+    try:
+        first = isb("up", *args)
+        assert first.returncode == 0, first.stderr
+        assert "nats-server up (started): ISB service default (jetstream, embedded), 1 node(s)" in first.stdout
+        state = json.loads(isb("up", *args, "--json").stdout)
+        assert state["started"] is False and state["alive"] == [True]
+        pid = state["nodes"][0]["pid"]
+        down = isb("down", *args)
+        assert down.returncode == 0 and f"pid {pid}" in down.stdout, down.stderr
+        assert not process_alive(pid)
+    finally:
+        _stop_all(dd)
+
+
+def test_up_refuses_an_external_service_in_one_line(tmp_path):
+    f = tmp_path / "ext.yaml"
+    f.write_text("kind: InterStepBufferService\nspec:\n  redis:\n    external:\n      url: 10.0.0.1:6379\n")
+    for verb in ("up", "down"):
+        r = isb(verb, "-f", str(f), "--data-dir", str(tmp_path / "data"))
+        assert r.returncode == 2
+        assert r.stderr.strip() == ("ISB service 'default' is external (redis.external.url 10.0.0.1:6379): isbflow "
+                                    "starts nothing; that server is started and stopped by its operator")
+
+
+def test_apply_on_a_redis_spec_is_one_clear_line(tmp_path):
+    import yaml
+
+    f = write_spec(tmp_path)
+    docs = list(yaml.safe_load_all(f.read_text()))
+    next(d for d in docs if d["kind"] == "InterStepBufferService")["spec"] = {"redis": {"native": {}}}
+    f.write_text(yaml.safe_dump_all(docs))
+    r = isb("apply", "-f", str(f), "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipelines on Redis buffers are not runnable yet: "), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "data").exists()
+
+
+def test_up_help_teaches_both_stores_with_examples():
+    r = CliRunner().invoke(app, ["isb", "up", "--help"], terminal_width=200)
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    assert "isbflow isb up -f pipelines/logs.yaml" in text and "redis.native" in text and "url: embedded" in text
+    assert "not runnable yet" in text
