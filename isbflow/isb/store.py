@@ -74,12 +74,14 @@ class Written(Generic[Offset]):
 
 @dataclass(frozen=True)
 class StoredFrame(Generic[Offset]):
-    """A frame as read back: its offset, id, bytes and record count."""
+    """A frame as read back: its offset, id, bytes, record count and when the store wrote it
+    (milliseconds since the epoch, by the store's clock; 0 when the store does not say)."""
 
     offset: Offset
     frame_id: str
     payload: bytes
     rows: int
+    written_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,7 @@ def test_a_range_reads_exactly_its_offsets_in_order_and_removes_nothing(open_sto
     assert [m[0] for m in first] == [2, 3, 4]
     assert [m[1] for m in first] == PAYLOADS[1:4]
     assert all(m[2][HDR_FRAME] == FRAME_FORMAT and m[2][HDR_ROWS] == "1" for m in first)
+    assert all(isinstance(m[3], int) and m[3] > 1_700_000_000 * 10**9 or isinstance(m[3], str) for m in first)
     assert [m[:2] for m in again] == [m[:2] for m in first]
     assert st.messages == 5
 

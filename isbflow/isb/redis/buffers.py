@@ -142,7 +142,7 @@ class RedisBuffer:
         for entry_id, flat in entries:
             f = _fields(flat)
             frames.append(StoredFrame(offset_of(entry_id), _text(f.get(b"id", b"")), bytes(f.get(b"f", b"")),
-                                      int(f.get(b"rows", 0))))
+                                      int(f.get(b"rows", 0)), int(f.get(b"t", 0))))
         return frames
 
     # -- BufferReleaser

@@ -6,7 +6,8 @@ do with a Redis store's partitions, in the shapes they already use for JetStream
   downstream commit; no direct get);
 - :meth:`RedisBuffers.read_range`: the messages of an offset range, in chunks of at most
   :data:`READ_FRAMES` entries, each a :data:`isbflow.isb.store.Message` whose headers carry the
-  frame's format, rows and id, as a JetStream frame's do (:mod:`isbflow.isb.frames`). A missing
+  frame's format, rows and id, as a JetStream frame's do (:mod:`isbflow.isb.frames`), and whose
+  time is the write's, in nanoseconds since the epoch (an event's ``_isb_ts``). A missing
   offset inside the range is a gap: :class:`isbflow.isb.errors.BufferLost`, or reported to
   ``on_gap`` and skipped;
 - :meth:`RedisBuffers.wait_for_append`: one ``XREAD BLOCK`` over the partitions, from the last
@@ -72,7 +73,7 @@ class RedisBuffers:
                 if f.offset > expected:
                     gap(expected, f.offset - 1)
                 chunk.append((f.offset, f.payload, {HDR_FRAME: FRAME_FORMAT, HDR_ROWS: str(f.rows),
-                                                    HDR_FRAME_ID: f.frame_id}, 0))
+                                                    HDR_FRAME_ID: f.frame_id}, f.written_ms * 1_000_000))
                 expected = f.offset + 1
             after = frames[-1].offset
             yield chunk
