@@ -346,8 +346,9 @@ def up(
     server. An external service (jetstream.url, redis.external) is refused: isbflow
     starts nothing for it (exit 2).
 
-    Pipelines on Redis buffers are not runnable yet: the store runs, 'isbflow
-    isb apply' and 'isbflow pipeline start' refuse a Redis spec.
+    Pipelines run on Redis buffers ('isbflow isb apply', 'isbflow pipeline
+    start'); replay and recovery, rescaling and scale to zero are not
+    available on Redis buffers yet.
 
     Examples:
 

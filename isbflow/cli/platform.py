@@ -75,6 +75,8 @@ def up(
     # lazy: the platform and ops.pipeline load the NATS client and the launcher; 'isbflow --help' must not
     from isbflow import platform
     from isbflow.ops import pipeline as ops_pipeline
+    from isbflow.ops.connection import IsbUnreachable
+    from isbflow.ops.isb_service import require_jetstream
 
     dd = data_dir_or_default(data_dir).resolve()
     spec = (pipeline_file or platform.demo_spec()).resolve()
@@ -88,7 +90,12 @@ def up(
         specs = load_or_exit([spec])
         if len(specs.pipelines) != 1:
             fail(f"{spec}: holds {len(specs.pipelines)} pipelines; the platform runs exactly one", 2)
-        server_settings = specs.service_for(next(iter(specs.pipelines.values()))).spec.jetstream.settings
+        service = specs.service_for(next(iter(specs.pipelines.values())))
+        try:  # the platform starts nats-server: a Redis spec runs with 'isbflow isb up' and 'pipeline start'
+            require_jetstream(service, "the local platform (isbflow platform up)")
+        except IsbUnreachable as e:
+            fail(str(e), 2)
+        server_settings = service.spec.jetstream.settings
         opts = platform.PipelineOptions(str(spec), rate=rate, master=master, processing_time=processing_time)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ('isbflow platform down') stops it like Ctrl-C

@@ -172,6 +172,16 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
 
 
+async def current_revision(conn: Any, pipeline: str, name: str) -> int | None:
+    """The table's revision on an open connection of either store, None when the table does not
+    exist (what a running step asks on each beat: one small request)."""
+    if _own_buckets(conn):
+        rev = await (await conn.kv(naming.reference_bucket(pipeline, name))).get(REVISION_KEY)
+        return None if rev is None else int(rev)
+    state = await stream_state(conn, bucket_stream(pipeline, name))
+    return state.last_seq if state is not None else None
+
+
 def _own_buckets(conn: Any) -> bool:
     """True when ``conn`` is a store object with its own key-value role (Redis), whose tables are
     kept through :class:`isbflow.isb.store.KeyValue`; False for a nats-py client (KV streams)."""

@@ -43,6 +43,11 @@ class IsbUnreachable(Exception):
     """The ISB service could not be reached or refused us; the message names the URL."""
 
 
+class IsbNotStarted(IsbUnreachable):
+    """The spec's service is one isbflow starts (``redis.native``) and none was started under the
+    data dir: nothing of its pipelines can be running there."""
+
+
 @dataclass(frozen=True)
 class NatsSettings:
     """Where and how to connect. Secrets never show in ``repr``/``display`` (logs, UIs)."""
@@ -181,13 +186,16 @@ def resolve_settings(
     data_dir: Path | str | None = None,
     service: InterStepBufferService | None = None,
     role: str | None = None,
-) -> NatsSettings:
+) -> IsbSettings:
     """Where to find the ISB service (see module docstring for the order).
 
     ``role`` (a user of :mod:`isbflow.isb.roles`: ``reader``, ``producer``, ``pipeline-<name>``;
     default the admin) picks the embedded server's user and its password file; an explicit URL,
     the environment or the spec's auth files win over it. A client logged in as a role user
-    takes its inbox prefix (``_INBOX_<user>``), the only subjects it may subscribe on."""
+    takes its inbox prefix (``_INBOX_<user>``), the only subjects it may subscribe on. A Redis
+    service (``spec.redis``) gets :class:`RedisSettings` (:func:`resolve_redis_settings`)."""
+    if service is not None and service.store == "redis":
+        return resolve_redis_settings(service, data_dir, role)
     url = nats_url or os.environ.get("NATS_URL")
     jet = service.spec.jetstream if service is not None else None
     if not url and jet is not None and jet.url != "embedded":
@@ -255,6 +263,65 @@ def resolve_settings(
     user = settings.with_auth_from_urls().user
     if user and roles.is_role_user(user) and not settings.inbox_prefix:
         settings = replace(settings, inbox_prefix=roles.inbox_prefix(user))
+    return settings
+
+
+def resolve_redis_settings(service: InterStepBufferService, data_dir: Path | str | None = None,
+                           role: str | None = None) -> RedisSettings:
+    """The settings of a Redis service (``spec.redis``): ``native`` from the embedded redis-server
+    recorded under the data dir (``isbflow isb up -f SPEC``), logged in as ``role``'s ACL user (its
+    password file, made when the pipeline is provisioned) or as the admin; ``external`` from its
+    ``url``, ``user`` and ``password.file`` (in the secrets folder). ``REDIS_URL``, ``REDIS_USER`` and
+    ``REDIS_PASSWORD`` override them, as ``NATS_URL`` does JetStream's."""
+    redis = service.spec.redis
+    assert redis is not None
+    where = Path(data_dir) if data_dir else default_data_dir()
+    env = os.environ
+    if env.get("REDIS_URL"):  # a launched driver's (isbflow.steps.driver.settings_env)
+        return RedisSettings(url=env["REDIS_URL"], user=env.get("REDIS_USER") or None,
+                             password=env.get("REDIS_PASSWORD") or None)
+    if redis.native is not None:
+        # lazy: JetStream-only callers never import redis-py
+        from isbflow.isb.redis.acl import ADMIN, password_file
+        from isbflow.isb.redis.server import EmbeddedRedisError
+        from isbflow.isb.redis.server import read_state as read_redis_state
+
+        try:
+            state = read_redis_state(where)
+        except EmbeddedRedisError as e:
+            raise IsbUnreachable(str(e)) from None
+        if state is None:
+            raise IsbNotStarted(f"no Redis ISB service: nothing running under {where}/redis (start it with "
+                                 f"'isbflow isb up -f SPEC' for service {service.name!r})")
+        user = role if role not in (None, roles.ADMIN, ADMIN) else ADMIN
+        pw = password_file(where, user)
+        if not pw.exists():
+            raise IsbUnreachable(f"the Redis ISB service under {where} has no user {user!r} (no {pw}): a pipeline's "
+                                 "user is made when it is provisioned ('isbflow isb apply')")
+        settings = RedisSettings(url=f"redis://127.0.0.1:{state.port}/0", user=None if user == ADMIN else user,
+                                 password=_read_secret(str(pw)))
+    else:
+        ext = redis.external
+        assert ext is not None
+        url = ext.url if "://" in ext.url else f"redis://{ext.url}"
+        password = None
+        if ext.password is not None and ext.password.file:
+            try:
+                password = _read_secret(str(secret_file(ext.password.file, "redis.external.password.file", data_dir)))
+            except SecretFileError as e:
+                raise IsbUnreachable(f"ISB service {service.name!r}: {e}") from None
+        elif ext.password is not None:
+            env_pw = os.environ.get("REDIS_PASSWORD")
+            if env_pw is None:
+                raise IsbUnreachable(
+                    f"ISB service {service.name!r}: redis.external.password.connectionId "
+                    f"{ext.password.connectionId!r} is an Airflow connection; outside Airflow set REDIS_PASSWORD")
+            password = env_pw
+        settings = RedisSettings(url=url, user=ext.user, password=password)
+    if env.get("REDIS_USER"):
+        settings = replace(settings, user=env["REDIS_USER"])
+    if env.get("REDIS_PASSWORD"):
+        settings = replace(settings, password=env["REDIS_PASSWORD"])
     return settings
 
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from isbflow.isb import provision
+from isbflow.isb.connect import IsbSettings, NatsSettings, RedisSettings, connect, default_data_dir
 from isbflow.isb.connect import IsbUnreachable as Unreachable
-from isbflow.isb.connect import NatsSettings, default_data_dir
 from isbflow.isb.owners import OwnershipRefused
 from isbflow.isb.provision import (
     Action,
@@ -21,10 +21,11 @@ from isbflow.isb.provision import (
     ProvisionError,
     ProvisionRefused,
     ProvisionReport,
+    ResourceResult,
     StreamStatus,
     desired_resources,
 )
-from isbflow.isb.roles import pipeline_grants
+from isbflow.isb.roles import PipelineGrant, pipeline_grants
 from isbflow.isb.server import (
     check_grantable,
     grant_pipelines,
@@ -32,6 +33,7 @@ from isbflow.isb.server import (
     read_state,
     role_password_file,
 )
+from isbflow.ops.isb_service import require_jetstream
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -51,6 +53,8 @@ def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, 
     the spec sets.
     """
     grants = pipeline_grants(specs.select(pipeline))
+    if isinstance(settings, RedisSettings):
+        return _apply_redis(settings, grants, data_dir)
     try:  # what grant() would refuse, refused before anything is provisioned
         check_grantable(data_dir or default_data_dir(), [grants])
     except OwnershipRefused as e:
@@ -59,6 +63,38 @@ def apply(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *, 
                                          data_dir=data_dir))
     grant(specs.pipelines[report.pipeline], data_dir)
     return report
+
+
+def _apply_redis(settings: RedisSettings, grants: PipelineGrant, data_dir: Path | None) -> ProvisionReport:
+    """:func:`apply` on a Redis store (:mod:`isbflow.isb.redis.provision`): the pipeline's streams,
+    and its ACL user when the store is the embedded one under ``data_dir``."""
+    # lazy: JetStream-only commands never import redis-py
+    from isbflow.isb.redis.provision import RedisProvisionRefused
+    from isbflow.isb.redis.provision import apply as redis_apply
+    from isbflow.isb.redis.server import read_state as read_redis_state
+
+    own = data_dir or default_data_dir()
+    state = read_redis_state(own)
+    embedded = state is not None and settings.url.startswith(f"redis://127.0.0.1:{state.port}")
+
+    async def go() -> list:
+        store = await connect(settings, name="isbflow-provision")
+        try:
+            return await redis_apply(store.client, grants, own if embedded else None)
+        finally:
+            await store.close()
+
+    try:
+        done = asyncio.run(go())
+    except RedisProvisionRefused as e:
+        raise ProvisionRefused(str(e), ProvisionReport(grants.pipeline)) from None
+    action = {"created": Action.CREATED, "unchanged": Action.UNCHANGED}
+    return ProvisionReport(grants.pipeline, [ResourceResult(d.stream, "stream", action[d.action]) for d in done])
+
+
+def _jetstream_only(specs: Specs, pipeline: str | None, what: str) -> None:
+    for p in [specs.select(pipeline)] if pipeline else specs.pipelines.values():
+        require_jetstream(specs.service_for(p), what)
 
 
 def grant(pipeline: Pipeline, data_dir: Path | None = None) -> bool:
@@ -74,10 +110,19 @@ def granted(data_dir: Path, pipeline: str) -> bool:
     return any(g.pipeline == pipeline for g in read_grants(data_dir))
 
 
-def role_settings(settings: NatsSettings, data_dir: Path, user: str) -> NatsSettings:
+def role_settings(settings: IsbSettings, data_dir: Path, user: str) -> IsbSettings:
     """``settings`` logged in as role ``user`` (:mod:`isbflow.isb.roles`) when they point at the
     embedded server under ``data_dir`` and it has that user; else ``settings`` unchanged (an
-    external server: its operator hands out the credentials)."""
+    external server: its operator hands out the credentials). The same for a Redis store's ACL users."""
+    if isinstance(settings, RedisSettings):
+        # lazy: JetStream-only commands never import redis-py
+        from isbflow.isb.redis.acl import password_file
+        from isbflow.isb.redis.server import read_state as read_redis_state
+
+        rstate, rpw = read_redis_state(data_dir), password_file(data_dir, user)
+        if rstate is None or not settings.url.startswith(f"redis://127.0.0.1:{rstate.port}") or not rpw.exists():
+            return settings
+        return replace(settings, user=user, password=rpw.read_text().strip())
     state = read_state(data_dir)
     plain = settings.with_auth_from_urls()
     pw = role_password_file(data_dir, user)
@@ -93,14 +138,17 @@ def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
 
     With ``data_dir``, the embedded server recorded there is checked for the spec's store limits too.
     """
+    _jetstream_only(specs, pipeline, "the buffer diff")
     return asyncio.run(provision.diff(settings, specs, pipeline, data_dir=data_dir))
 
 
 def status(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[StreamStatus]:
+    _jetstream_only(specs, pipeline, "the buffer status")
     return asyncio.run(provision.status(settings, specs, pipeline))
 
 
 def delete(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[str]:
+    _jetstream_only(specs, pipeline, "deleting buffers")
     return asyncio.run(provision.delete(settings, specs, pipeline))
 
 

@@ -8,9 +8,9 @@
   ``persistence`` and ``fsync``, then its ``settings.redis`` lines applied with ``CONFIG SET``;
 - an external service (``jetstream.url``, ``redis.external``): refused, isbflow starts nothing.
 
-A second ``up`` reuses the live server (and applies ``settings.redis`` again). :func:`require_runnable`
-is the one check that a pipeline's service is one its steps can run on: every settings lookup for a
-pipeline goes through it (:func:`isbflow.ops.connection.resolve_settings`).
+A second ``up`` reuses the live server (and applies ``settings.redis`` again). :func:`require_jetstream`
+refuses, in one line naming it, a verb that does not serve Redis buffers yet (replay and recovery,
+rescaling, scale to zero, the buffer diff and status).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from isbflow.isb.redis.server import RedisServerState
 
 __all__ = ["IsbServiceError", "NotRunnable", "ServiceDown", "ServiceUp", "down", "pick_service",
-           "require_runnable", "up"]
+           "require_jetstream", "up"]
 
-#: what every refusal of a pipeline on a Redis service starts with
-NOT_RUNNABLE = "pipelines on Redis buffers are not runnable yet"
+#: what every refusal of a verb on a Redis service says
+NOT_ON_REDIS = "is not available on Redis buffers yet"
 
 
 class IsbServiceError(Exception):
@@ -46,17 +46,16 @@ class IsbServiceError(Exception):
 
 
 class NotRunnable(IsbUnreachable):
-    """A pipeline's service is on a store its steps cannot run on yet (one line, as an unreachable one)."""
+    """A verb asked of a pipeline whose service is on a store the verb does not serve yet (one line)."""
 
 
-def require_runnable(service: InterStepBufferService | None) -> None:
-    """Raise :class:`NotRunnable` when ``service`` keeps its buffers in Redis: steps, provisioning and
-    recovery read and write JetStream buffers only."""
+def require_jetstream(service: InterStepBufferService | None, what: str) -> None:
+    """Raise :class:`NotRunnable` when ``service`` keeps its buffers in Redis and ``what`` (a verb:
+    "replay and recovery", "rescaling", ...) works on JetStream buffers only. A pipeline on Redis
+    runs (provisioning, start, run, drain, status, produce, quality); what is refused names itself."""
     if service is not None and service.store == "redis":
-        raise NotRunnable(
-            f"{NOT_RUNNABLE}: ISB service {service.name!r} keeps its buffers in Redis (spec.redis), and isbflow's "
-            "steps, provisioning and recovery use JetStream buffers only; the store itself runs "
-            "('isbflow isb up -f SPEC'): run the pipeline on a jetstream service")
+        raise NotRunnable(f"{what} {NOT_ON_REDIS}: ISB service {service.name!r} keeps its buffers in Redis "
+                          "(spec.redis); run it on a jetstream service")
 
 
 def pick_service(specs: Specs, service: str | None = None, pipeline: str | None = None) -> InterStepBufferService:

@@ -40,10 +40,11 @@ from typing import Any
 from isbflow.isb import naming, reference
 from isbflow.isb import provision as prov
 from isbflow.isb.buffers import StreamState, stream_state
-from isbflow.isb.connect import IsbUnreachable, NatsSettings, session
+from isbflow.isb.connect import IsbSettings, IsbUnreachable, NatsSettings, RedisSettings, session
 from isbflow.isb.roles import pipeline_user
 from isbflow.isb.state import Desired, StepStatus, all_status, get_desired
 from isbflow.local.sandbox import SandboxError
+from isbflow.ops.isb import apply as isb_apply
 from isbflow.ops.isb import grant, role_settings
 from isbflow.ops.produce import source_vertex
 from isbflow.recovery.status import last_recovery, recovery_line
@@ -109,8 +110,15 @@ class Started:
     launch: LaunchRecord
 
 
-def provision_buffers(settings: NatsSettings, specs: Specs, p: Pipeline) -> prov.ProvisionReport:
-    """Provision ``p``'s buffers; a recreate refused (the stream holds messages) is an error."""
+def provision_buffers(settings: IsbSettings, specs: Specs, p: Pipeline,
+                      data_dir: Path | None = None) -> prov.ProvisionReport:
+    """Provision ``p``'s buffers; a recreate refused (the stream holds messages) is an error. On a
+    Redis store, :func:`isbflow.ops.isb.apply` (its streams and, embedded under ``data_dir``, its user)."""
+    if isinstance(settings, RedisSettings):
+        try:
+            return isb_apply(settings, specs, p.name, data_dir=data_dir)
+        except prov.ProvisionRefused as e:
+            raise PipelineError(f"pipeline {p.name}: {e}") from None
     try:
         report = asyncio.run(prov.apply(settings, specs, p.name))
     except prov.ProvisionError as e:
@@ -160,8 +168,9 @@ def prepare(settings: NatsSettings, specs: Specs, p: Pipeline, references_dir: P
     report = None
     if provision:
         progress(f"provisioning the buffers of pipeline {p.name}")
-        report = provision_buffers(settings, specs, p)
-    grant(p, data_dir)
+        report = provision_buffers(settings, specs, p, data_dir)
+    if not isinstance(settings, RedisSettings):  # a Redis store's users are made by its provisioning
+        grant(p, data_dir)
     progress(f"loading the reference tables of pipeline {p.name}")
     return Prepared(report, put_references(settings, p, references_dir, on_missing_reference))
 

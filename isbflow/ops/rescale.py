@@ -50,6 +50,7 @@ from isbflow.isb.naming import EdgePartition
 from isbflow.isb.provision_partitions import HeldPartition, held_partitions, remove_partitions
 from isbflow.isb.state import Observed
 from isbflow.ops.isb import grant
+from isbflow.ops.isb_service import NotRunnable, require_jetstream
 from isbflow.ops.pipeline import (
     REFERENCE_DIR,
     DrainTimeout,
@@ -243,6 +244,10 @@ def rescale(spec_file: Path, specs: Specs, p: Pipeline, vertex: str, settings: N
     (nothing changed, unless ``drained``), :class:`DrainTimeout`, :class:`RescaleError`, and
     :class:`IsbUnreachable`.
     """
+    try:
+        require_jetstream(specs.service_for(p), "rescaling")
+    except NotRunnable as e:
+        raise RescaleError(str(e)) from None
     began = time.monotonic()
     n = check_spec(spec_file, p, vertex, partitions)
     held = _held(settings, p, vertex)

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession
+from isbflow.isb.control import kv as open_kv
 from isbflow.local.files import keep_newest
 from isbflow.spec.models import Pipeline
 
@@ -107,7 +108,7 @@ class RecoveryJob:
         if not self.connected:
             return
         try:
-            kv = self.run(self.nc.jetstream().key_value(naming.status_bucket(self.p.name)))
+            kv = self.run(open_kv(self.nc, naming.status_bucket(self.p.name)))
             self.run(kv.put(self.status_key, json.dumps(self.report.to_json(), default=str).encode()))
         except Exception as e:  # noqa: BLE001 - status is best effort; the report is returned
             log.warning("%s %s: could not publish status (%s)", self.verb, self.p.name, e)

@@ -10,9 +10,9 @@ import json
 import socket
 import time
 
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-
 from isbflow.isb import naming
+from isbflow.isb.control import kv as open_kv
+from isbflow.isb.store import BucketMissing
 from isbflow.local.procs import process_alive
 
 #: a recovery run on another host (its process cannot be checked) that published no phase for
@@ -36,12 +36,11 @@ def is_running(r: dict | None, now: float | None = None) -> bool:
 async def last_recovery(nc, pipeline: str) -> dict | None:
     """The last recovery's report (``isbflow replay --mode recover`` keeps it current), or None."""
     try:
-        kv = await nc.jetstream().key_value(naming.status_bucket(pipeline))
-        entry = await kv.get("recovery")
-    except (BucketNotFoundError, KeyNotFoundError):
+        raw = await (await open_kv(nc, naming.status_bucket(pipeline))).get("recovery")
+    except BucketMissing:
         return None
     try:
-        return json.loads(entry.value) if entry and entry.value else None
+        return json.loads(raw) if raw else None
     except ValueError:
         return None
 

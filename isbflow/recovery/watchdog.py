@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
-
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, connect
+from isbflow.isb.control import kv as open_kv
 from isbflow.isb.loss import detect_loss
 from isbflow.isb.state import Observed, StepStatus, all_status
+from isbflow.isb.store import BucketMissing
 from isbflow.recovery.status import is_running
 from isbflow.spec.models import Pipeline
 from isbflow.steps.launch import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_GRACE, LaunchRecord
@@ -174,12 +174,9 @@ def next_history(previous: dict[str, Any] | None, statuses: dict[str, StepStatus
 
 
 async def _get_json(kv, key: str) -> dict[str, Any] | None:
+    raw = await kv.get(key)
     try:
-        entry = await kv.get(key)
-    except (KeyNotFoundError, NotFoundError):
-        return None
-    try:
-        value = json.loads(entry.value or b"null")
+        value = json.loads(raw or b"null")
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -199,8 +196,8 @@ async def watch(settings: NatsSettings, p: Pipeline, data_dir: str | Path, *,
     nc = await connect(settings, name=f"isbflow-watchdog-{p.name}")
     try:
         try:
-            kv = await nc.jetstream().key_value(naming.status_bucket(p.name))
-        except (BucketNotFoundError, NotFoundError):
+            kv = await open_kv(nc, naming.status_bucket(p.name))
+        except BucketMissing:
             return WatchReport(p.name)
         statuses = await all_status(nc, p.name, p.topological_order())
         now = time.time() if now is None else now

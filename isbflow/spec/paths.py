@@ -110,6 +110,11 @@ class DataDir:
         return self.root / "nats"
 
     @property
+    def redis(self) -> Path:
+        """The embedded redis-server's folder (its config, passwords, append-only files)."""
+        return self.root / "redis"
+
+    @property
     def launches(self) -> Path:
         return self.root.absolute() / "launches"
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from isbflow.isb.connect import NatsSettings
+from isbflow.isb.connect import IsbSettings, RedisSettings
 from isbflow.isb.roles import pipeline_user
 from isbflow.isb.server import role_password_file
 from isbflow.local.files import LOG_MAX_BYTES, rotate_log
@@ -69,11 +69,14 @@ class LaunchError(Exception):
     """A pipeline could not be launched or run; the message says what, where and what to do."""
 
 
-def settings_env(settings: NatsSettings) -> dict[str, str]:
+def settings_env(settings: IsbSettings) -> dict[str, str]:
     """Environment variables that make :func:`isbflow.isb.connect.resolve_settings` find ``settings``.
 
     Credentials go in their own variables; the URLs carry none.
     """
+    if isinstance(settings, RedisSettings):
+        return {k: v for k, v in (("REDIS_URL", settings.url), ("REDIS_USER", settings.user),
+                                  ("REDIS_PASSWORD", settings.password)) if v}
     s = settings.with_auth_from_urls()
     env = {"NATS_URL": ",".join(s.servers)}
     for name, value in (("NATS_USER", s.user), ("NATS_PASSWORD", s.password), ("NATS_TOKEN", s.token),
@@ -117,13 +120,13 @@ def sink_connections(p, base: Mapping[str, str] | None = None) -> dict[str, str]
 MALLOC_ARENAS = "2"
 
 
-def driver_env(settings: NatsSettings, data_dir: str | Path, workdir: str | Path | None = None,
+def driver_env(settings: IsbSettings, data_dir: str | Path, workdir: str | Path | None = None,
                base: dict[str, str] | None = None, pipeline: Pipeline | None = None) -> dict[str, str]:
-    """The driver's environment: ``base`` (default ``os.environ``) without Airflow's and NATS's
+    """The driver's environment: ``base`` (default ``os.environ``) without Airflow's, NATS's and Redis's
     variables, plus the ISB settings, the data dir, Spark's Python and loopback binding, and for
     ``pipeline`` the ``AIRFLOW_CONN_<ID>`` its PostgreSQL sinks name (no other Airflow variable)."""
     src = os.environ if base is None else base
-    env = {k: v for k, v in src.items() if not k.startswith(("AIRFLOW", "NATS_"))}
+    env = {k: v for k, v in src.items() if not k.startswith(("AIRFLOW", "NATS_", "REDIS_"))}
     env.update(settings_env(settings))
     env.update({
         "ISBFLOW_HOME": str(Path(data_dir).absolute()),
@@ -192,7 +195,7 @@ def cap_own_log(max_bytes: int = LOG_MAX_BYTES, interval: float = LOG_CHECK_S) -
 
 
 #: the environment variables holding ISB secrets, which :func:`confine` takes out of a driver's environment
-SECRET_ENV = ("NATS_PASSWORD", "NATS_TOKEN")
+SECRET_ENV = ("NATS_PASSWORD", "NATS_TOKEN", "REDIS_PASSWORD")
 
 
 def driver_folders(p: Pipeline, data_dir: str | Path) -> list[Path]:
@@ -212,15 +215,20 @@ def driver_folders(p: Pipeline, data_dir: str | Path) -> list[Path]:
     return out
 
 
-def confine(p: Pipeline, data_dir: str | Path, settings: NatsSettings) -> Hidden | None:
+def confine(p: Pipeline, data_dir: str | Path, settings: IsbSettings) -> Hidden | None:
     """In pipeline ``p``'s driver, before it starts Spark (module docstring): the ISB secrets out of
-    its environment (:data:`SECRET_ENV`), and ``<data dir>/nats/`` hidden from it and from every
+    its environment (:data:`SECRET_ENV`), and the store's folder (``<data dir>/nats/``, or
+    ``<data dir>/redis/`` for a Redis store) hidden from it and from every
     process it starts, but for the files its own ``settings`` name there (a TLS CA, say) and its own
     user's password file. Returns what :func:`isbflow.local.sandbox.hide` did (None: nothing hidden:
     no embedded server under ``data_dir``, ``ISBFLOW_SANDBOX=off``, or a kernel without Landlock).
     Irreversible: for a driver process of its own (``isbflow pipeline run``)."""
     forget_env(SECRET_ENV)
+    dd = DataDir(Path(data_dir).absolute())
+    if isinstance(settings, RedisSettings):
+        own = [f for f in (settings.tls_ca,) if f] + [dd.redis / f"{pipeline_user(p.name)}.password"]
+        return hide(dd.redis, keep=driver_folders(p, data_dir), readable=own)
     s = settings.with_auth_from_urls()
     own = [f for f in (s.tls_ca, s.tls_cert, s.tls_key, s.creds_file) if f]
     own.append(role_password_file(data_dir, pipeline_user(p.name)))
-    return hide(DataDir(Path(data_dir).absolute()).nats, keep=driver_folders(p, data_dir), readable=own)
+    return hide(dd.nats, keep=driver_folders(p, data_dir), readable=own)

@@ -81,8 +81,8 @@ from isbflow.connector.writer import read_write_totals
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.buffers import release, stream_state
-from isbflow.isb.connect import NatsSettings, SyncSession, settings_to_json
-from isbflow.isb.reference import bucket_stream as reference_stream
+from isbflow.isb.connect import IsbSettings, SyncSession, settings_to_json
+from isbflow.isb.reference import current_revision
 from isbflow.spec import Specs, constants
 from isbflow.spec.models import OutputMode, Pipeline, Vertex
 from isbflow.spec.paths import DataDir
@@ -175,7 +175,7 @@ def heartbeat_interval_s(p: Pipeline, override: str | None = None) -> float:
 
 
 class PipelineRunner:
-    def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings, data_dir: Path,
+    def __init__(self, spark, specs: Specs, pipeline: Pipeline, settings: IsbSettings, data_dir: Path,
                  processing_time: str | None = None, starting_offsets: dict[str, dict] | None = None,
                  sink_mode: str = "append", merge_keys: dict[str, list[str]] | None = None,
                  restarts: RestartPolicy = DEFAULT_RESTARTS, idle_wait: float = IDLE_WAIT, replay: bool = False):
@@ -192,7 +192,9 @@ class PipelineRunner:
         DataDir(self.data_dir).ensure()  # 0700: sinks, checkpoints and stats are the owner's only
         self.processing_time = processing_time
         self.service = specs.service_for(pipeline)
-        self.retention = self.service.spec.jetstream.bufferConfig.stream.retention.value
+        # a Redis buffer is released after the downstream commit, as JetStream's Interest buffers are
+        self.retention = ("Interest" if self.service.store == "redis"
+                          else self.service.spec.jetstream.bufferConfig.stream.retention.value)
         self.max_payload = self.service.spec.jetstream.settings.max_payload
         self._schemas: dict[str, Any] = {}
         self.runs: dict[str, StepRun] = {}
@@ -309,9 +311,8 @@ class PipelineRunner:
         return refs
 
     def _reference_revision(self, name: str) -> int | None:
-        """The reference bucket's revision: its stream's last sequence (``None`` when it is missing)."""
-        state = self.nats.run(stream_state(self.nats.nc, reference_stream(self.p.name, name)))
-        return state.last_seq if state is not None else None
+        """The reference table's revision (``None`` when it is missing): :func:`isbflow.isb.reference.current_revision`."""
+        return self.nats.run(current_revision(self.nats.nc, self.p.name, name))
 
     def _refresh_references(self, vertex: str) -> None:
         """On the beat: a reference of ``vertex`` whose bucket moved since it was cached is read again

@@ -113,15 +113,17 @@ def test_an_external_service_starts_nothing(tmp_path, body, where):
     assert not (tmp_path / "data").exists()
 
 
-def test_a_pipeline_on_redis_is_refused_where_its_settings_are_resolved(tmp_path):
+def test_a_verb_that_does_not_serve_redis_is_refused_in_one_line_naming_itself(tmp_path):
     svc = service(tmp_path, "redis:\n  native: {}\n")
     with pytest.raises(IsbUnreachable) as e:  # the CLI's one line for an unusable service
-        resolve_settings(data_dir=tmp_path, service=svc)
+        isb_service.require_jetstream(svc, "replay and recovery")
     assert isinstance(e.value, isb_service.NotRunnable)
-    assert str(e.value).startswith("pipelines on Redis buffers are not runnable yet: ISB service 'default'")
-    isb_service.require_runnable(None)
-    isb_service.require_runnable(service(tmp_path, "jetstream: {}\n"))
-
+    assert str(e.value).startswith("replay and recovery is not available on Redis buffers yet: ISB service 'default'")
+    isb_service.require_jetstream(None, "x")
+    isb_service.require_jetstream(service(tmp_path, "jetstream: {}\n"), "x")
+    # the settings of a Redis service resolve: its pipelines run there
+    with pytest.raises(IsbUnreachable, match="no Redis ISB service: nothing running under"):
+        resolve_settings(data_dir=tmp_path, service=svc)
 
 def test_the_service_is_picked_by_name_by_pipeline_or_as_the_only_one(tmp_path):
     one = spec(tmp_path, "redis:\n  native: {}\n", name="r")

@@ -83,21 +83,22 @@ def covered_low(settings, p, dead_count):
     return ledger.low_offsets({s: covered[s] for s in ("raw", "errors")}, ["in/0"], dead=dead)["in/0"].per_sink
 
 
-def batch_windows(spark, data_dir, exclude=frozenset()):
+def batch_windows(spark, data_dir, exclude=frozenset(), sinks="sinks/logs"):
     """per_minute over the raw sink's rows in batch (no watermark), minus the ``exclude`` ids."""
-    raw, _, _ = read_version(spark, str(data_dir / "sinks/logs/raw"))
+    raw, _, _ = read_version(spark, str(data_dir / sinks / "raw"))
     if exclude:
         raw = raw.filter(~F.col("_isb_id").isin(sorted(exclude)))
     return logs.per_minute(raw).toArrow().to_pylist()
 
 
-def check_agg_is_batch_recount(spark, data_dir, exclude=frozenset()):
+def check_agg_is_batch_recount(spark, data_dir, exclude=frozenset(), sinks="sinks/logs"):
     """Every window of the agg sink equals the batch recomputation, and every recomputed window is
-    in the sink (open ones too); returns the windows by (window_start, service)."""
-    agg = DeltaTable(str(data_dir / "sinks/logs/agg")).to_pyarrow_table().to_pylist()
+    in the sink (open ones too); returns the windows by (window_start, service). ``sinks``: the
+    folder under ``data_dir`` holding the pipeline's raw and agg sinks."""
+    agg = DeltaTable(str(data_dir / sinks / "agg")).to_pyarrow_table().to_pylist()
     got = {(r["window_start"], r["service"]): r for r in agg}
     assert len(got) == len(agg), "a window twice in the agg sink"
-    want = {(r["window_start"], r["service"]): r for r in batch_windows(spark, data_dir, exclude)}
+    want = {(r["window_start"], r["service"]): r for r in batch_windows(spark, data_dir, exclude, sinks)}
     assert want, "the raw sink holds no rows"
     assert sorted(set(want) - set(got)) == [], "windows missing from the agg sink"
     assert sorted(set(got) - set(want)) == [], "windows in the agg sink the raw rows do not make"

@@ -88,6 +88,10 @@ class JetStreamHook(BaseHook):
         return self._settings(conn, service)
 
     def _settings(self, conn: Any, service: InterStepBufferService | None) -> NatsSettings:
+        if service is not None and service.store == "redis":  # the connection is the JetStream service's
+            settings = resolve_settings(data_dir=self.data_dir, service=service)
+            self.log.info("ISB service %r keeps its buffers in Redis at %s", service.name, settings.display)
+            return settings
         if conn is None:
             settings = resolve_settings(data_dir=self.data_dir, service=service)
             self.log.info("connection %r is not defined; using %s (NATS_URL, spec or embedded server)",

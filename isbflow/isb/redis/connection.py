@@ -34,9 +34,11 @@ class StoreUnreachable(ConnectionError):
 async def open_store(url: str, user: str | None = None, password: str | None = None, *,
                      tls_ca: str | None = None, name: str = "isbflow", timeout: float = 5.0) -> RedisStore:
     """A :class:`RedisStore` on ``url`` logged in as ``user`` (None: the default user) with
-    ``password``; raises :class:`StoreRefused` or :class:`StoreUnreachable` (module doc)."""
+    ``password``; raises :class:`StoreRefused` or :class:`StoreUnreachable` (module doc). ``name``
+    is the caller's label, kept for symmetry with the JetStream connection (unused)."""
+    # no client name: CLIENT SETNAME is a command a role user is not granted
     kw = {"username": user, "password": password, "socket_connect_timeout": timeout,
-          "socket_timeout": max(timeout, 30.0), "client_name": name.replace(" ", "-")}
+          "socket_timeout": max(timeout, 30.0)}
     if urlsplit(url).scheme == "rediss" and tls_ca:
         kw["ssl_ca_certs"] = tls_ca
     client = redis.asyncio.Redis.from_url(url, **kw)
