@@ -11,6 +11,7 @@ from pathlib import Path
 
 from isbflow.isb.connect import IsbUnreachable as Unreachable
 from isbflow.isb.connect import NatsSettings, run_with, session
+from isbflow.isb.settings import IsbNotStarted as NotStarted
 from isbflow.recovery.watchdog import DEFAULT_LAG_GROWTH_RUNS, WatchReport, watch
 from isbflow.spec.models import Pipeline
 from isbflow.steps.lag import pipeline_lag
@@ -23,7 +24,7 @@ from isbflow.steps.launch import (
     read_launch,
 )
 
-__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_LAG_GROWTH_RUNS", "DEFAULT_STARTUP_GRACE", "LaunchRecord", "StateCheck", "Unreachable", "lag", "observe_state", "pipeline_lag", "read_launch",
+__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_LAG_GROWTH_RUNS", "DEFAULT_STARTUP_GRACE", "LaunchRecord", "NotStarted", "StateCheck", "Unreachable", "lag", "observe_state", "pipeline_lag", "read_launch",
            "session", "state", "watchdog", "watched_steps"]
 
 

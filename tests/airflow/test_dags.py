@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -462,11 +463,17 @@ def test_watchdog_healthy_stale_and_auto_recover(airflow_home, nats_server, tmp_
     m = Mini(nats_server, tmp_path)
     for v in ("in", "raw"):
         m.heartbeat(v)
+    # a pipeline on a native Redis service that was never started here: idle, not a failure
+    redis_spec = m.folder / "logs-redis.yaml"
+    shutil.copy(ROOT / "pipelines" / "logs-redis.yaml", redis_spec)
 
     healthy = airflow_home.run_dag("pipeline_watchdog", extra_env=m.env)
 
     assert healthy.state == "success", healthy.output[-6000:]
-    assert healthy.tasks == {"watch_mini": "success"}
+    assert healthy.tasks == {"watch_mini": "success", "watch_logs-redis": "success"}
+    assert healthy.xcom["watch_logs-redis"]["action"] == "none"
+    assert "no Redis ISB service" in healthy.xcom["watch_logs-redis"]["idle"]
+    redis_spec.unlink()
     report = healthy.xcom["watch_mini"]
     assert (report["state"], report["action"], report["findings"]) == ("healthy", "none", [])
     assert set(report["steps"]) == {"in", "raw"}

@@ -62,7 +62,12 @@ class PipelineWatchdogOperator(PipelineOperatorBase, BranchMixIn):
         self.recover_task_id = recover_task_id
 
     def execute(self, context: Any) -> dict:
-        t = self.target()
+        try:
+            t = self.target()
+        except watch.NotStarted as e:  # a native service never started here: none of its steps runs
+            self.log.info("%s: idle (%s)", self.pipeline_file, e)
+            return self._finish(context, {"pipeline": self.pipeline or self.pipeline_file, "action": "none",
+                                          "idle": str(e)}, follow=False)
         p = t.pipeline
         try:
             report = watch.watchdog(t.settings, p, t.data_dir, heartbeat_timeout=float(self.heartbeat_timeout),
