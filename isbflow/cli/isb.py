@@ -281,7 +281,7 @@ def delete(
                              "with all their messages?"):
             fail("nothing deleted", 1)
     try:
-        deleted = call(ops_isb.delete, settings, specs, name)
+        deleted = call(ops_isb.delete, settings, specs, name, data_dir=data_dir_or_default(data_dir))
     except ops_isb.ProvisionError as e:
         if json_out and e.report is not None:
             print_json({**e.report.to_json(), "deleted": [], "error": str(e)})

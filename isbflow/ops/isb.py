@@ -142,14 +142,58 @@ def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
     return asyncio.run(provision.diff(settings, specs, pipeline, data_dir=data_dir))
 
 
-def status(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[StreamStatus]:
-    _jetstream_only(specs, pipeline, "the buffer status")
+def status(settings: IsbSettings, specs: Specs, pipeline: str | None = None) -> list[StreamStatus]:
+    if isinstance(settings, RedisSettings):
+        return asyncio.run(_redis_status(settings, specs, pipeline))
     return asyncio.run(provision.status(settings, specs, pipeline))
 
 
-def delete(settings: NatsSettings, specs: Specs, pipeline: str | None = None) -> list[str]:
-    _jetstream_only(specs, pipeline, "deleting buffers")
+def delete(settings: IsbSettings, specs: Specs, pipeline: str | None = None,
+           data_dir: Path | None = None) -> list[str]:
+    """Remove the pipeline's buffers (and on Redis its buckets and, embedded under ``data_dir``,
+    its ACL user); the names removed."""
+    if isinstance(settings, RedisSettings):
+        return asyncio.run(_redis_delete(settings, specs, pipeline, data_dir or default_data_dir()))
     return asyncio.run(provision.delete(settings, specs, pipeline))
+
+
+def _pipelines(specs: Specs, pipeline: str | None) -> list[Pipeline]:
+    return [specs.select(pipeline)] if pipeline else list(specs.pipelines.values())
+
+
+async def _redis_status(settings: RedisSettings, specs: Specs, pipeline: str | None) -> list[StreamStatus]:
+    """Each Redis stream of the pipelines: frames held, first and last offset (missing: ``exists`` False)."""
+    # lazy: JetStream-only commands never import redis-py
+    from isbflow.isb.redis.provision import streams_of
+
+    store = await connect(settings, name="isbflow-isb-status")
+    try:
+        out = []
+        for p in _pipelines(specs, pipeline):
+            for stream in streams_of(pipeline_grants(p)):
+                st = await store.buffers().state(stream)
+                out.append(StreamStatus(stream, "stream", st is not None, **(
+                    {"messages": st.messages, "first_seq": st.first_seq, "last_seq": st.last_seq} if st else {})))
+        return out
+    finally:
+        await store.close()
+
+
+async def _redis_delete(settings: RedisSettings, specs: Specs, pipeline: str | None, data_dir: Path) -> list[str]:
+    # lazy: JetStream-only commands never import redis-py
+    from isbflow.isb.redis.provision import delete as redis_delete
+    from isbflow.isb.redis.server import read_state as read_redis_state
+
+    state = read_redis_state(data_dir)
+    embedded = state is not None and settings.url.startswith(f"redis://127.0.0.1:{state.port}")
+    store = await connect(settings, name="isbflow-isb-delete")
+    try:
+        out = []
+        for p in _pipelines(specs, pipeline):
+            out += await redis_delete(store.client, pipeline_grants(p), data_dir if embedded else None)
+        return out
+    finally:
+        await store.close()
 
 
 def planned_count(specs: Specs, pipeline: str | None = None) -> int:

@@ -10,7 +10,7 @@
 
 A second ``up`` reuses the live server (and applies ``settings.redis`` again). :func:`require_jetstream`
 refuses, in one line naming it, a verb that does not serve Redis buffers yet (replay and recovery,
-rescaling, scale to zero, the buffer diff and status).
+rescaling, scale to zero, the buffer diff).
 """
 
 from __future__ import annotations

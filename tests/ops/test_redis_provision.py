@@ -138,3 +138,20 @@ def test_a_drivers_environment_holds_its_users_settings_and_no_other_secret(redi
             monkeypatch.setenv(k, v)
     # the driver finds its settings again in that environment, without reading the data dir
     assert resolve_settings(data_dir=data_dir / "elsewhere", service=specs.service_for(p)) == user
+
+
+def test_status_shows_each_stream_and_delete_removes_them_with_the_user(redis_demo):
+    specs, p, data_dir = redis_demo
+    admin = resolve_settings(data_dir=data_dir, service=specs.service_for(p))
+    ops_isb.apply(admin, specs, p.name, data_dir=data_dir)
+    _run(produce(admin, p, count=10, seed=1))
+    held = {s.name: s for s in ops_isb.status(admin, specs, p.name)}
+    source = pipeline_grants(p).sources[0]
+    assert held[source].exists and (held[source].messages, held[source].last_seq) == (10, 10)
+    assert all(s.exists for s in held.values())
+    deleted = ops_isb.delete(admin, specs, p.name, data_dir=data_dir)
+    assert sorted(deleted) == sorted(held)
+    assert not any(s.exists for s in ops_isb.status(admin, specs, p.name))
+    user = ops_isb.role_settings(admin, data_dir, pipeline_user(p.name))
+    with pytest.raises(ops_isb.Unreachable, match="refused"):  # the ACL user is gone with its grant
+        _run(connect(user))
