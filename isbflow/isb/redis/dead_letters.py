@@ -7,8 +7,8 @@ body too, so an entry holds the body only. Letters are written through the same 
 as frames (:meth:`isbflow.isb.redis.buffers.RedisBuffer.write`): a letter with a deterministic id
 (a re-executed Spark batch writes the same letter again) is stored once; a letter without one gets
 a random id. Nothing releases the dead-letter stream: a letter stays until an operator removes it
-(``bufferConfig.deadLetter`` bounds it with ``capacity``: a full one refuses the letter and the
-step fails, rather than a letter vanishing).
+(bounded at :data:`DEFAULT_CAPACITY` letters: a full one refuses the letter with
+:class:`isbflow.isb.store.BufferFull` and the step fails, rather than a letter vanishing).
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from isbflow.isb.store import BufferFull, OutFrame
 
 #: entries per read call
 READ_LETTERS = 512
+#: the most letters a pipeline's dead-letter stream keeps (JetStream's default ``bufferConfig.deadLetter.maxMsgs``):
+#: a full one refuses the next letter, and the step fails loudly rather than a letter vanishing
+DEFAULT_CAPACITY = 100_000
 
 
 class RedisDeadLetters:
     """A pipeline's dead-letter stream on a ``redis.asyncio`` client (module doc)."""
 
-    def __init__(self, client: Any, *, capacity: int | None = None):
+    def __init__(self, client: Any, *, capacity: int | None = DEFAULT_CAPACITY):
         self.client, self.capacity = client, capacity
 
     async def publish(self, stream: str, letters: Sequence[tuple[str | None, bytes]]) -> int:

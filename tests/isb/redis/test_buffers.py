@@ -327,3 +327,23 @@ def test_a_writer_held_by_a_full_buffer_goes_on_once_the_downstream_releases(red
     assert not any(w.duplicate for w in written)
     assert st.entries_added == 40 and st.length == 0
 
+
+
+def test_a_full_dead_letter_stream_refuses_the_next_letter(redis_server):
+    """A pipeline's dead letters are bounded: a full stream refuses the next letter (the step fails
+    loudly) and keeps every letter it took."""
+    from isbflow.isb.redis.dead_letters import RedisDeadLetters
+    from isbflow.isb.store import BufferFull
+
+    async def go():
+        c = redis_server.client()
+        try:
+            dl = RedisDeadLetters(c, capacity=3)
+            stored = await dl.publish("isb-p-dlq", [(f"l{i}", b'{"step":"s"}') for i in range(3)])
+            with pytest.raises(BufferFull):
+                await dl.publish("isb-p-dlq", [("l3", b'{"step":"s"}')])
+            return stored, len(await dl.read("isb-p-dlq"))
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(go()) == (3, 3)
