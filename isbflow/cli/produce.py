@@ -84,7 +84,9 @@ def produce(
         fail(str(e), 2)
     # the producer's user: it may publish to granted source subjects and nothing else
     settings = settings_or_exit(nats_url, data_dir, specs, p.name, role=PRODUCER)
-    if settings.user == PRODUCER and not granted(data_dir_or_default(data_dir), p.name):
+    # a Redis store's producer user is made by provisioning; a missing source stream is reported on writing
+    on_nats = specs.service_for(p).store != "redis"
+    if on_nats and settings.user == PRODUCER and not granted(data_dir_or_default(data_dir), p.name):
         fail(f"pipeline {p.name} is not provisioned on the embedded ISB service under "
              f"{data_dir_or_default(data_dir)}/ (its producer may publish nowhere yet): "
              "create it with 'isbflow isb apply -f <spec>'")

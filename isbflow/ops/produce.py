@@ -429,11 +429,11 @@ async def _produce_to_store(store: Any, settings: Any, pipeline: Pipeline, name:
     """:func:`produce` on a store with a writer role (Redis): each event one entry under its id
     ``<seed>-<index>`` (stored once however often it is written), in calls of :data:`STORE_WRITE_EVENTS`;
     a full source waits (back-pressure) until the source step has committed and released."""
-    if await store.buffers().state(stream) is None:
+    writer = store.buffer(stream)
+    if not await writer.created():  # the producer's user may not read the stream's state, only ask this
         raise SourceNotProvisioned(
             f"the source stream {stream} of {pipeline.name}/{name} does not exist on {settings.display}: "
             "create it with 'isbflow isb apply -f <spec>'")
-    writer = store.buffer(stream)
     published = duplicates = 0
     t0 = time.perf_counter()
     for lo in range(start, start + count, STORE_WRITE_EVENTS):

@@ -97,6 +97,11 @@ class RedisBuffer:
         """Make the partition's incarnation when it has none (provisioning); its id."""
         return _text(await scripts.run(self.client, scripts.CREATE, self.keys.all, [secrets.token_hex(8)]))
 
+    async def created(self) -> bool:
+        """Whether the partition has an incarnation (provisioned or written), asked with ``EXISTS``
+        only: a producer, which may read nothing of a stream (:mod:`isbflow.isb.redis.acl`), can ask."""
+        return bool(await self.client.exists(self.keys.incarnation))
+
     async def delete(self) -> None:
         """Remove the partition's keys (its frames, ids and incarnation)."""
         await self.client.delete(*self.keys.all)

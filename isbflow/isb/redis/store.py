@@ -67,6 +67,12 @@ class RedisStore:
     def is_closed(self) -> bool:
         return self._closed
 
+    @property
+    def is_connected(self) -> bool:
+        """Open (what :func:`isbflow.isb.connect.run_kept` asks of a kept connection before using it):
+        the client's pool connects again on the next command after a dropped connection."""
+        return not self._closed
+
     async def __aenter__(self) -> RedisStore:
         return self
 
