@@ -1,7 +1,8 @@
 """``isbflow platform``: the whole local platform on 127.0.0.1 (``make run``).
 
 ``up`` starts the embedded nats-server, the demo pipeline (provisioned, reference
-tables put, its steps launched detached), a producer feeding it and Airflow, then
+tables put, its steps launched detached; a spec whose ISB service is ``redis.native``
+runs on its redis-server, started too), a producer feeding it and Airflow, then
 stays in the foreground; Ctrl-C (or ``down`` from another shell) drains the
 pipeline and stops every process it started. A second ``up`` reuses what runs.
 """
@@ -49,7 +50,9 @@ def up(
     nats_port: Annotated[int, typer.Option(help="NATS client port (a free one when taken).")] =
         DEFAULT_NATS_PORT,
     pipeline_file: Annotated[Path | None, typer.Option(
-        "--pipeline-file", help="The pipeline to run (default: the demo, pipelines/logs.yaml).")] = None,
+        "--pipeline-file", "-f", help="The pipeline to run (default: the demo, pipelines/logs.yaml). A spec whose "
+                                      "ISB service is redis.native (pipelines/logs-redis.yaml) runs on its own "
+                                      "redis-server, started under DATA_DIR/redis (a live one is reused).")] = None,
     run_pipeline: Annotated[bool, typer.Option(
         "--pipeline/--no-pipeline", help="Provision and start the pipeline and its producer.")] = True,
     rate: Annotated[float, typer.Option(
@@ -64,19 +67,20 @@ def up(
              "input grows). Default: the spec's limits.readTimeout, 5 seconds when unset.")] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Start nats-server, the pipeline with a producer, and Airflow; stay in the foreground.
+    """Start nats-server, the pipeline with a producer (and its spec's redis-server when its buffers are
+    in Redis), and Airflow; stay in the foreground.
 
     State lives under DATA_DIR (metadata DB, admin password, buffers, checkpoints, sinks)
     and is reused by the next start. Ctrl-C drains the pipeline, then stops every process
     started here. Run while the platform runs, it reuses it (no second pipeline or producer).
 
     Example: isbflow platform up   (then open http://127.0.0.1:8080)
+
+    Example: isbflow platform up -f pipelines/logs-redis.yaml   (the demo on Redis buffers)
     """
     # lazy: the platform and ops.pipeline load the NATS client and the launcher; 'isbflow --help' must not
     from isbflow import platform
     from isbflow.ops import pipeline as ops_pipeline
-    from isbflow.ops.connection import IsbUnreachable
-    from isbflow.ops.isb_service import require_jetstream
 
     dd = data_dir_or_default(data_dir).resolve()
     spec = (pipeline_file or platform.demo_spec()).resolve()
@@ -91,11 +95,10 @@ def up(
         if len(specs.pipelines) != 1:
             fail(f"{spec}: holds {len(specs.pipelines)} pipelines; the platform runs exactly one", 2)
         service = specs.service_for(next(iter(specs.pipelines.values())))
-        try:  # the platform starts nats-server: a Redis spec runs with 'isbflow isb up' and 'pipeline start'
-            require_jetstream(service, "the local platform (isbflow platform up)")
-        except IsbUnreachable as e:
-            fail(str(e), 2)
-        server_settings = service.spec.jetstream.settings
+        if service.store == "redis" and service.spec.redis.native is None:
+            fail(f"{spec}: ISB service {service.name!r} is redis.external: the platform runs a pipeline on "
+                 "Redis with the redis-server it starts (redis.native)", 2)
+        server_settings = service.spec.jetstream.settings  # the nats-server's (it runs for Airflow either way)
         opts = platform.PipelineOptions(str(spec), rate=rate, master=master, processing_time=processing_time)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ('isbflow platform down') stops it like Ctrl-C
@@ -149,10 +152,15 @@ def _stop(dd: Path) -> None:
     for key, outcome in stopped.drained.items():
         err_console.print(f"pipeline {key}: {outcome}", markup=False, highlight=False)
     s = stopped.state
-    err_console.print(f"stopped {len(s.processes)} Airflow process group(s)"
-                      + (", the producer" if s.producer else "")
-                      + (f", {len(stopped.leftovers)} leftover process(es)" if stopped.leftovers else "")
-                      + (" and nats-server" if s.nats_started else ""), highlight=False)
+    err_console.print(_stopped(s, len(stopped.leftovers)), highlight=False)
+
+
+def _stopped(state: platform.PlatformState, leftovers: int = 0) -> str:
+    """'stopped N Airflow process group(s), the producer, ... and nats-server': what stopping ``state`` ended."""
+    what = [f"{len(state.processes)} Airflow process group(s)", *(["the producer"] if state.producer else []),
+            *([f"{leftovers} leftover process(es)"] if leftovers else []),
+            *(["nats-server"] if state.nats_started else []), *(["redis-server"] if state.redis_started else [])]
+    return "stopped " + (", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0])
 
 
 def _summary(state: platform.PlatformState, report: platform.PipelineReport | None,
@@ -190,6 +198,11 @@ def _summary(state: platform.PlatformState, report: platform.PipelineReport | No
                     f"log {report.producer.log}", highlight=False)
     c.print(f"  NATS         {nats_url}   (user isbflow, password in {state.data_dir}/nats/password)",
             highlight=False)
+    redis = st.get("redis")
+    if redis:
+        how = "started" if redis["started_by_platform"] else "already running"
+        c.print(f"  Redis        {redis['url']}   pid {redis['pid']} ({how}), the pipeline's buffers (user "
+                f"{redis['user']}, password in {redis['password_file']}; log {redis['log']})", highlight=False)
     c.print(f"  state        {state.data_dir}  (Airflow logs: {state.airflow_home}/logs/platform/, "
             f"drivers: {state.data_dir}/logs/)", highlight=False)
     c.print(f"First: open {state.url}, log in as {platform.ADMIN}, then open [bold]{state.url}{PIPELINES_PAGE}[/] "
@@ -268,6 +281,9 @@ def _print_status(st: dict) -> None:
     nats = st["nats"] or {}
     for n, mb, cpu in zip(nats.get("nodes", []), nats.get("pss_mb", []), nats.get("cpu_pct", []), strict=False):
         row(f"nats-server {n['name']}", {"pid": n["pid"], "pss_mb": mb, "cpu_pct": cpu}, "yes")
+    redis = st.get("redis")
+    if redis:
+        row(f"redis-server {redis['url']}", redis, "yes" if redis["alive"] else "NO")
     prod = st.get("producer")
     if prod:
         row(f"producer ({prod['rate']:g}/s)", prod, "yes" if prod["alive"] else "no (exited)")
@@ -281,6 +297,9 @@ def _print_status(st: dict) -> None:
         if h else "api-server not answering"
     console.print(f"{st['url']}: {parts}" + ("" if st.get("supervised") else " (no supervisor: stop it with "
                                               "'isbflow platform down')"), highlight=False)
+    if redis:
+        console.print(f"redis-server {redis['url']}: the pipeline's buffers (user {redis['user']}, password in "
+                      f"{redis['password_file']})", highlight=False)
     if pipe:
         if pipe.get("error"):
             console.print(f"pipeline {pipe.get('name', '?')}: {pipe['error']}", style="yellow", markup=False)
@@ -328,16 +347,15 @@ def down(
     try:
         with err_console.status("stopping", spinner="dots") as spinner:
             report = platform.stop(dd, drain_timeout=timeout, progress=spinner.update)  # whatever is left
-    except OSError as e:
+    except (OSError, platform.PlatformError) as e:
         fail(f"could not stop every process: {e}")
     pids = [p.pid for p in state.processes]
     drained = report.drained if report else {}
     if json_out:
         print_json({"stopped": pids, "producer": state.producer.pid if state.producer else None,
                     "drained": drained, "leftovers": report.leftovers if report else [],
-                    "nats_stopped": state.nats_started})
+                    "nats_stopped": state.nats_started, "redis_stopped": state.redis_started})
         return
     for key, outcome in drained.items():
         console.print(f"pipeline {key}: {outcome}", markup=False, highlight=False)
-    console.print(f"stopped {len(pids)} Airflow process group(s)" + (", the producer" if state.producer else "")
-                  + (" and nats-server" if state.nats_started else ""), highlight=False)
+    console.print(_stopped(state), highlight=False)

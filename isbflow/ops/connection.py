@@ -7,8 +7,10 @@ this is the use-case layer's view of them, so no face reaches below ``ops/``.
 from __future__ import annotations
 
 from isbflow.isb.connect import (
+    IsbSettings,
     IsbUnreachable,
     NatsSettings,
+    RedisSettings,
     connect,
     default_data_dir,
     resolve_settings,
@@ -17,5 +19,5 @@ from isbflow.isb.connect import (
 )
 from isbflow.isb.roles import PRODUCER, READER, pipeline_user
 
-__all__ = ["PRODUCER", "READER", "IsbUnreachable", "NatsSettings", "connect", "default_data_dir", "pipeline_user",
-           "resolve_settings", "run_with", "session"]
+__all__ = ["PRODUCER", "READER", "IsbSettings", "IsbUnreachable", "NatsSettings", "RedisSettings", "connect",
+           "default_data_dir", "pipeline_user", "resolve_settings", "run_with", "session"]

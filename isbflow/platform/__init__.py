@@ -6,7 +6,10 @@
    when free), reused when one already runs there;
 2. with :class:`PipelineOptions`, the pipeline (the demo ``pipelines/logs.yaml``) and a
    producer feeding it (:mod:`isbflow.platform.pipeline`: the ``pipeline_start`` DAG's own
-   verb, :func:`isbflow.ops.pipeline.start`), then waits until every step has processed a
+   verb, :func:`isbflow.ops.pipeline.start`); a pipeline whose spec's ISB service is
+   ``redis.native`` (``pipelines/logs-redis.yaml``) keeps its buffers in that redis-server,
+   started first (a live one reused). The nats-server runs either way: Airflow's connections
+   and every other pipeline's DAGs use it. Then it waits until every step has processed a
    micro-batch, restarting a driver whose step failed while starting. All this before
    Airflow: both starting at once on a small machine starves Spark's Python workers, which
    must connect back within 10 s;
@@ -27,8 +30,9 @@ the launcher in ``<data dir>/launches/``. :func:`stop` stops the producer, **dra
 every live launch (the drain protocol, upstream first; a driver that does not finish in
 time is stopped by PID), ends every Airflow process group (SIGTERM, then SIGKILL after a
 grace period), then any process still carrying this start's id, and last the nats-server
-if the platform started it. A recorded PID whose process has a different start time than
-recorded (the kernel reused it) is never signalled (:mod:`isbflow.platform.procs`).
+and the redis-server, each by its recorded PID and only if the platform started it. A
+recorded PID whose process has a different start time than recorded (the kernel reused it)
+is never signalled (:mod:`isbflow.platform.procs`).
 State on disk (metadata DB, password, buffers, checkpoints, sinks) is kept, so the next
 start reuses it. :func:`status` reports liveness, memory, health, the pipeline's steps
 and the producer.
@@ -85,6 +89,7 @@ from isbflow.platform.pipeline import (
     isbflow_bin,
     live_launches,
     nats_settings,
+    pipeline_settings,
     pipeline_status,
     restart_pipeline,
     run_pipeline,
@@ -132,9 +137,9 @@ __all__ = [
     "admin_password", "airflow_bin", "airflow_env", "airflow_home", "api", "api_token", "dead_process",
     "demo_spec", "drain_launches", "ensure_pipeline", "group_members", "group_memory", "health", "is_healthy",
     "isbflow_bin", "live_launches", "marked_processes", "nats_connection_json", "nats_settings", "pid_alive",
-    "pipeline_status", "platform_processes", "port_free", "read_state", "repo_root", "restart_pipeline",
-    "running", "start", "start_producer", "status", "stop", "unpause", "up", "wait_for_dag", "wait_healthy",
-    "wait_pipeline", "wait_running", "write_state",
+    "pipeline_settings", "pipeline_status", "platform_processes", "port_free", "read_state", "repo_root",
+    "restart_pipeline", "running", "start", "start_producer", "status", "stop", "unpause", "up", "wait_for_dag",
+    "wait_healthy", "wait_pipeline", "wait_running", "write_state",
 ]
 
 DEFAULT_NATS_PORT = 4222
@@ -297,21 +302,52 @@ def stop(data_dir: Path, grace: float = 20.0, drain_timeout: float = 180.0,
         stopped = nats_server.stop_embedded(data_dir)
         for node in stopped.nodes if stopped else []:
             reap(node.pid)  # started by this process: reap it rather than leave a zombie until we exit
+    if state.redis_started:
+        _stop_redis(data_dir, progress)
     (data_dir / STATE_FILE).unlink(missing_ok=True)
     return report
+
+
+def _stop_redis(data_dir: Path, progress: Progress) -> None:
+    """Stop the redis-server this platform started, by its recorded PID; PlatformError when it will not."""
+    # lazy: redis-py (~0.3 s) is loaded for a platform whose pipeline is on Redis only
+    from isbflow.ops import redis_server
+
+    progress("stopping redis-server")
+    try:
+        stopped = redis_server.stop_redis(data_dir)
+    except redis_server.EmbeddedRedisError as e:
+        raise PlatformError(str(e)) from None
+    if stopped is not None:
+        reap(stopped.pid)
+
+
+def _redis_status(state: PlatformState) -> dict | None:
+    """The redis-server of the platform's pipeline (:func:`isbflow.ops.redis_server.describe`) and
+    whether the platform started it; None when the pipeline is not on Redis."""
+    if not state.redis:
+        return None
+    # lazy: redis-py (~0.3 s) is loaded for a platform whose pipeline is on Redis only
+    from isbflow.ops import redis_server
+
+    d = redis_server.describe(Path(state.data_dir))
+    return None if d is None else {**d, "started_by_platform": state.redis_started}
 
 
 # -- status ----------------------------------------------------------------------------------------------
 
 def status(data_dir: Path, cpu_interval: float = 0.5) -> dict:
     """Liveness, memory (PSS) and CPU of the recorded platform's processes (``running`` false when
-    none), its health, its pipeline's steps and its producer. CPU is each process group's use over
-    ``cpu_interval`` seconds in percent of one core (``cpu_pct``), sampled for all groups at once."""
+    none), its health, its pipeline's steps, its producer and its pipeline's redis-server (``redis``:
+    PID, URL, the admin's password file; None when the pipeline is on JetStream). CPU is each
+    process group's use over ``cpu_interval`` seconds in percent of one core (``cpu_pct``), sampled
+    for all groups at once."""
     data_dir = Path(data_dir).resolve()
     state = read_state(data_dir)
     nats = nats_server.read_state(data_dir)
     out: dict = {"data_dir": str(data_dir), "running": False, "processes": [], "health": None,
-                 "nats": nats.to_json(with_secrets=False) if nats else None, "pipeline": None, "producer": None}
+                 "nats": nats.to_json(with_secrets=False) if nats else None, "pipeline": None, "producer": None,
+                 "redis": None}
     if state is None:
         return out
     out.update(state.to_json())
@@ -324,6 +360,7 @@ def status(data_dir: Path, cpu_interval: float = 0.5) -> dict:
     if state.producer is not None:
         out["producer"] = {**asdict(state.producer), "alive": state.producer.alive(),
                            "rate": state.pipeline.rate if state.pipeline else None}
+    out["redis"] = _redis_status(state)
     if nats and all(nats.alive()):
         out["pipeline"] = pipeline_status(state)
     _add_cpu_and_memory(out, nats, cpu_interval)
@@ -332,9 +369,9 @@ def status(data_dir: Path, cpu_interval: float = 0.5) -> dict:
 
 def _add_cpu_and_memory(out: dict, nats, interval: float) -> None:
     """``cpu_pct`` on every live process entry (one sample of all groups), and ``pss_mb`` on the
-    producer's and the driver's."""
+    producer's, the driver's and the redis-server's."""
     live = [p for p in out["processes"] if p["alive"]]
-    for extra in (out.get("producer"), (out.get("pipeline") or {}).get("launch")):
+    for extra in (out.get("producer"), (out.get("pipeline") or {}).get("launch"), out.get("redis")):
         if extra and extra.get("alive"):
             extra["pss_mb"] = round(group_memory(extra["pid"]) / 2**20, 1)
             live.append(extra)

@@ -1,5 +1,12 @@
 """The platform's pipeline (the demo, ``pipelines/logs.yaml``, or any one-pipeline spec) and its producer.
 
+Its buffers live where its spec's ISB service keeps them: a JetStream service's pipeline runs on the
+platform's embedded nats-server; a ``redis.native`` service's on the spec's redis-server under the
+data dir, which :func:`ensure_pipeline` starts (:func:`isbflow.ops.isb_service.up`, a live one
+reused) and the platform records (``redis_started``: stopped with the platform only when it
+started it). :func:`pipeline_settings` gives the admin's settings on either store (never
+``NATS_URL`` or ``REDIS_URL``: the platform's own servers).
+
 Contract: :func:`ensure_pipeline` is idempotent, like the ``pipeline_start`` DAG, and does
 what that DAG does through the same verb, :func:`isbflow.ops.pipeline.start`: buffers
 provisioned, reference tables put from ``<spec dir>/reference/<name>.json``, every step's
@@ -25,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isbflow.ops import isb_service
 from isbflow.ops import nats as nats_server
 from isbflow.ops import pipeline as ops_pipeline
-from isbflow.ops.connection import PRODUCER, NatsSettings
+from isbflow.ops.connection import PRODUCER, IsbSettings, NatsSettings, RedisSettings
 from isbflow.ops.isb import role_settings
 from isbflow.ops.pipeline import LaunchRecord, StateCheck
 from isbflow.ops.processes import driver_env, process_start, stop_process, wait_exit
@@ -81,6 +89,39 @@ def nats_settings(data_dir: Path) -> NatsSettings:
     return NatsSettings(servers=tuple(state.urls), tls_ca=state.ca_file).with_auth_from_urls()
 
 
+def pipeline_settings(data_dir: Path, specs: Specs, p: Pipeline) -> IsbSettings:
+    """The admin's settings on the store ``p`` keeps its buffers in: the embedded nats-server's
+    (:func:`nats_settings`), or the spec's native redis-server's under ``data_dir``."""
+    service = specs.service_for(p)
+    if service.store != "redis":
+        return nats_settings(data_dir)
+    # lazy: redis-py (~0.3 s) is loaded for a pipeline on Redis only
+    from isbflow.ops import redis_server
+
+    state = redis_server.read_state(Path(data_dir))
+    if state is None:
+        raise PlatformError(f"no redis-server recorded under {data_dir}/redis (ISB service {service.name!r} of "
+                            f"pipeline {p.name}): start the platform with its spec")
+    return RedisSettings(url=f"{redis_server.url(state)}/0", password=state.password)
+
+
+def ensure_redis(state: PlatformState, specs: Specs, p: Pipeline, progress: Progress = quiet) -> bool:
+    """Start the native Redis service ``p``'s spec declares under the platform's data dir, or reuse
+    the live one, and record it in ``state`` (``redis_started`` once this platform started it).
+    False, doing nothing, for a pipeline on JetStream. Raises :class:`PlatformError`."""
+    service = specs.service_for(p)
+    if service.store != "redis":
+        return False
+    progress(f"starting the ISB service {service.name} (redis-server)")
+    try:
+        up = isb_service.up(service, Path(state.data_dir))
+    except isb_service.IsbServiceError as e:
+        raise PlatformError(str(e)) from None
+    state.redis, state.redis_started = True, state.redis_started or up.started
+    write_state(state)  # recorded at once: a start that fails later stops it
+    return True
+
+
 def load_pipeline(spec: str | Path) -> tuple[Specs, Pipeline]:
     """The specs in ``spec`` and their only pipeline; PlatformError naming the problem."""
     try:
@@ -100,7 +141,8 @@ def ensure_pipeline(state: PlatformState, opts: PipelineOptions, progress: Progr
     """
     dd = Path(state.data_dir)
     specs, p = load_pipeline(opts.spec)
-    settings = nats_settings(dd)
+    ensure_redis(state, specs, p, progress)
+    settings = pipeline_settings(dd, specs, p)
     try:
         started = ops_pipeline.start(
             Path(opts.spec), specs, p, settings, dd, master=opts.master, workdir=repo_root(),
@@ -121,7 +163,7 @@ def ensure_pipeline(state: PlatformState, opts: PipelineOptions, progress: Progr
                           started.launch, producer, reused, first)
 
 
-def start_producer(data_dir: Path, opts: PipelineOptions, p: Pipeline, settings: NatsSettings, marker: str,
+def start_producer(data_dir: Path, opts: PipelineOptions, p: Pipeline, settings: IsbSettings, marker: str,
                    first: int) -> ProcessState:
     """Start ``isbflow produce --rate R`` detached (own session), events ``first ..``; log under ``logs/``."""
     logs = data_dir / "logs"
@@ -144,9 +186,10 @@ def wait_pipeline(state: PlatformState, target: str = "running", timeout: float 
     launch; with ``processed``, also a finished micro-batch): :func:`isbflow.ops.pipeline.wait_state`."""
     if state.pipeline is None:
         raise PlatformError("the platform runs no pipeline")
-    _specs, p = load_pipeline(state.pipeline.spec)
-    return ops_pipeline.wait_state(nats_settings(Path(state.data_dir)), p, Path(state.data_dir), target, timeout,
-                                   processed=processed, progress=progress)
+    specs, p = load_pipeline(state.pipeline.spec)
+    dd = Path(state.data_dir)
+    return ops_pipeline.wait_state(pipeline_settings(dd, specs, p), p, dd, target, timeout, processed=processed,
+                                   progress=progress)
 
 
 def restart_pipeline(state: PlatformState, progress: Progress = quiet) -> PipelineReport:
@@ -204,7 +247,7 @@ def drain_launches(data_dir: Path, timeout: float = 180.0, progress: Progress = 
         try:
             specs, p = load_pipeline(record.spec)
             p = specs.pipelines.get(record.pipeline, p)
-            ops_pipeline.drain(nats_settings(data_dir), p, timeout=timeout)
+            ops_pipeline.drain(pipeline_settings(data_dir, specs, p), p, timeout=timeout)
             drained[record.pipeline] = "drained"
         except (PlatformError, ops_pipeline.IsbUnreachable, ops_pipeline.DrainTimeout) as e:
             drained[record.pipeline] = f"not drained ({e})"
@@ -226,7 +269,7 @@ def pipeline_status(state: PlatformState) -> dict | None:
     if state.pipeline is None:
         return None
     try:
-        _specs, p = load_pipeline(state.pipeline.spec)
+        specs, p = load_pipeline(state.pipeline.spec)
     except PlatformError as e:
         return {"spec": state.pipeline.spec, "error": str(e)}
     dd = Path(state.data_dir)
@@ -237,7 +280,7 @@ def pipeline_status(state: PlatformState) -> dict | None:
         out["launch"] = {"launch_id": record.launch_id, "pid": record.pid, "alive": record.alive(),
                          "log": record.log, "started_at": record.started_at}
     try:
-        settings = nats_settings(dd)
+        settings = pipeline_settings(dd, specs, p)
         statuses = ops_pipeline.status(settings, p).statuses
         now = time.time()
         out["steps"] = {v: None if s is None else {

@@ -90,6 +90,8 @@ class PlatformState:
     pipeline: PipelineOptions | None = None
     producer: ProcessState | None = None
     supervisor_start: int | None = None  # the supervisor's kernel start time (None: trust the PID)
+    redis: bool = False  # the pipeline's buffers are in its spec's native redis-server under the data dir
+    redis_started: bool = False  # this platform started that redis-server (it stops it)
 
     @property
     def url(self) -> str:
