@@ -19,7 +19,7 @@ same way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from isbflow.isb import read as js_read
@@ -29,7 +29,7 @@ from isbflow.isb.connect import IsbSettings, close_loop, connect
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.read import Message, StreamState
 
-__all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_partition", "read_range", "release",
+__all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_partition", "read_range", "recreate_partitions", "release",
            "stream_state", "wait_for_append"]
 
 
@@ -159,3 +159,27 @@ def read_partition(settings: IsbSettings, stream: str, incarnation: str, first: 
             loop.run_until_complete(conn.close())
     finally:
         close_loop(loop)
+
+
+async def recreate_partitions(conn: Any, streams: list[str], *,
+                              provision: Callable[[], Awaitable[Any]]) -> tuple[list[str], list[str]]:
+    """Empty ``streams`` and give each a new incarnation, as recovery does to a region's partitions
+    before it replays into them: a reader of the old incarnation sees loss, never the new frames
+    under its old offsets. ``(removed, created)``. A store object (Redis) does it itself; on
+    JetStream the streams are deleted and ``provision()`` (the pipeline's provisioning, which
+    returns its report) makes them again with their configured limits."""
+    own = getattr(conn, "buffer", None)
+    if own is not None and callable(own):
+        for s in streams:
+            await own(s).delete()
+            await own(s).create()
+        return list(streams), list(streams)
+    js, removed = conn.jetstream(), []
+    for s in streams:
+        try:
+            await js.delete_stream(s)
+            removed.append(s)
+        except Exception:  # noqa: BLE001 - missing already
+            pass
+    report = await provision()
+    return removed, [r.name for r in report.resources if str(r.action) == "created"]

@@ -9,8 +9,8 @@
 - an external service (``jetstream.url``, ``redis.external``): refused, isbflow starts nothing.
 
 A second ``up`` reuses the live server (and applies ``settings.redis`` again). :func:`require_jetstream`
-refuses, in one line naming it, a verb that does not serve Redis buffers yet (replay and recovery,
-rescaling, scale to zero, the buffer diff).
+refuses, in one line naming it, a verb that does not serve Redis buffers yet (reprocessing and
+shadow runs, rescaling, scale to zero, the buffer diff).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NotRunnable(IsbUnreachable):
 
 def require_jetstream(service: InterStepBufferService | None, what: str) -> None:
     """Raise :class:`NotRunnable` when ``service`` keeps its buffers in Redis and ``what`` (a verb:
-    "replay and recovery", "rescaling", ...) works on JetStream buffers only. A pipeline on Redis
+    "rescaling", "scale to zero", ...) works on JetStream buffers only. A pipeline on Redis
     runs (provisioning, start, run, drain, status, produce, quality); what is refused names itself."""
     if service is not None and service.store == "redis":
         raise NotRunnable(f"{what} {NOT_ON_REDIS}: ISB service {service.name!r} keeps its buffers in Redis "

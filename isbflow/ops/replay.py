@@ -40,9 +40,9 @@ class ReplayError(Exception):
         self.usage = usage
 
 
-def _jetstream_only(specs: Specs, p: Pipeline) -> None:
+def _jetstream_only(specs: Specs, p: Pipeline, what: str = "reprocessing and shadow runs") -> None:
     try:
-        require_jetstream(specs.service_for(p), "replay and recovery")
+        require_jetstream(specs.service_for(p), what)
     except NotRunnable as e:
         raise ReplayError(str(e)) from None
 
@@ -60,7 +60,8 @@ def replay(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: Na
     from isbflow.recovery.recover import RecoveryError, recover
     from isbflow.recovery.reprocess import RangeError, ReprocessError, reprocess
 
-    _jetstream_only(specs, p)
+    if mode != "recover":  # recovery serves Redis buffers too
+        _jetstream_only(specs, p)
     ranged = any(v is not None and v != "" for v in (from_offset, to_offset, from_time, to_time))
     if mode == "recover":
         if ranged:

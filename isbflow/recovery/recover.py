@@ -79,7 +79,7 @@ import pyarrow.compute as pc
 
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb import state as st
-from isbflow.isb.buffers import stream_state
+from isbflow.isb.buffers import recreate_partitions, stream_state
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
@@ -305,16 +305,8 @@ class _Recovery:
         """3. Delete the region's edge streams and provision them again."""
         t, p, job = time.monotonic(), self.p, self.job
         region_streams = [ep.stream for ep in naming.edge_partitions(p) if ep.from_vertex in self.order]
-        js = job.nc.jetstream()
-        deleted = []
-        for s in region_streams:
-            try:
-                job.run(js.delete_stream(s))
-                deleted.append(s)
-            except Exception:  # noqa: BLE001 - missing already
-                pass
-        prov = job.run(provision.apply(self.settings, self.specs, p.name))
-        created = [r.name for r in prov.resources if r.action == provision.Action.CREATED]
+        deleted, created = job.run(recreate_partitions(
+            job.nc, region_streams, provision=lambda: provision.apply(self.settings, self.specs, p.name)))
         for ep in naming.edge_partitions(p):
             if ep.stream in region_streams:
                 job.run(st.put_committed(job.nc, p.name, ep.to_vertex, {ep.stream: 0}))

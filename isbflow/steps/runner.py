@@ -195,6 +195,12 @@ class PipelineRunner:
         # a Redis buffer is released after the downstream commit, as JetStream's Interest buffers are
         self.retention = ("Interest" if self.service.store == "redis"
                           else self.service.spec.jetstream.bufferConfig.stream.retention.value)
+        #: source stream -> how many of its newest committed events stay after a release: on Redis a
+        #: source keeps the last bufferMaxLength events its step committed, what recovery replays from
+        #: (a JetStream source keeps what its stream's limits say); an edge partition keeps nothing
+        self._source_keep = ({naming.source_stream(pipeline, v.name): v.effective_limits(pipeline.spec.limits).bufferMaxLength
+                              for v in pipeline.spec.vertices if v.source is not None and v.source.jetstream is not None}
+                             if self.service.store == "redis" else {})
         self.max_payload = self.service.spec.jetstream.settings.max_payload
         self._schemas: dict[str, Any] = {}
         self.runs: dict[str, StepRun] = {}
@@ -516,7 +522,9 @@ class PipelineRunner:
             self.nats.run(st.put_committed(self.nats.nc, self.p.name, run.vertex, committed))
             if self.retention in ("WorkQueue", "Interest"):
                 for s, seq in committed.items():
-                    self.nats.run(release(self.nats.nc, s, seq, self.retention))
+                    upto = seq - self._source_keep.get(s, 0)
+                    if upto > 0:
+                        self.nats.run(release(self.nats.nc, s, upto, self.retention))
         if not counters:
             return
         status.dlq_total = self._dlq_total(run)

@@ -2,8 +2,9 @@
 SparkSession): the demo on Redis runs once, the server is flushed (FLUSHALL: what a restart
 without persistence or a failover to an empty replica leaves), and then the watchdog finds every
 buffer the steps had read lost and turns red, a step run again fails naming the lost stream
-instead of reading on as if nothing had been there, and replay refuses in one line (recovery
-does not serve Redis buffers yet). Numaflow's Redis buffer stalls in this case."""
+instead of reading on as if nothing had been there. (A flush takes the source stream with it:
+recovery replays from a source, tests/recovery/test_recover_redis.py.) Numaflow's Redis buffer
+stalls in this case."""
 
 from __future__ import annotations
 
@@ -70,5 +71,6 @@ def test_a_flushed_redis_is_buffer_loss_the_watchdog_turns_red(spark, redis_serv
         runner.close()
     assert source in str(failed.value)
 
-    with pytest.raises(ReplayError, match="replay and recovery is not available on Redis buffers yet"):
-        replay(lambda: spark, specs, p, admin, tmp_path, mode="recover")
+    # reprocessing a range (and shadow runs) read JetStream buffers only
+    with pytest.raises(ReplayError, match="reprocessing and shadow runs is not available on Redis buffers yet"):
+        replay(lambda: spark, specs, p, admin, tmp_path, mode="reprocess", from_offset="in/0/1")
