@@ -2,23 +2,32 @@
 enrich -> raw when its keys are deleted (what an eviction or an operator's DEL leaves); the loss
 is detected, and `recover` recreates the region's partitions with a new incarnation, rewinds and
 replays from the source's offsets, and the raw sink ends exact, as on JetStream
-(tests/recovery/test_recover.py). Numaflow's Redis buffer stalls in this case."""
+(tests/recovery/test_recover.py). Then the whole server is flushed (what a restart without
+persistence or a failover to an empty replica leaves): the watchdog finds every buffer the steps
+had read lost and turns red, and a step run again fails naming the lost source stream instead of
+reading on as if nothing had been there (the flush took the source too: nothing to replay from).
+Numaflow's Redis buffer stalls in both cases."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import pytest
 from deltalake import DeltaTable
 
 from isbflow.isb import naming, reference
 from isbflow.isb.connect import connect
 from isbflow.isb.loss import detect_loss
-from isbflow.isb.roles import pipeline_user
+from isbflow.isb.roles import pipeline_grants, pipeline_user
+from isbflow.isb.state import StepStatus, put_status
 from isbflow.ops import isb as ops_isb
 from isbflow.ops.produce import is_malformed, produce
+from isbflow.ops.replay import ReplayError, replay
 from isbflow.recovery.recover import recover
+from isbflow.recovery.watchdog import watch
 from isbflow.spec import load_specs
+from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers.recovery import run_available_now
 
@@ -34,7 +43,7 @@ def raw_ids(data_dir) -> list[str]:
     return DeltaTable(str(data_dir / "sinks/logs-redis/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
 
 
-def test_recover_after_a_redis_partition_is_deleted(spark, redis_server, tmp_path):
+def test_recover_after_a_redis_partition_is_deleted_and_a_flush_is_loss(spark, redis_server, tmp_path):
     specs = load_specs(ROOT / "pipelines" / "logs-redis.yaml")
     p = specs.only_pipeline()
     admin = redis_server.settings()
@@ -86,3 +95,34 @@ def test_recover_after_a_redis_partition_is_deleted(spark, redis_server, tmp_pat
             await store.close()
 
     assert asyncio.run(detect()) == []
+
+    # then the whole server loses its data (FLUSHALL: what a restart without persistence or a
+    # failover to an empty replica leaves): buffer loss, never an empty buffer
+    async def flush_and_look():
+        store = await connect(admin)
+        try:
+            await store.client.flushall()
+            for v in p.topological_order():  # the steps' next heartbeats: they still run
+                await put_status(store, p.name, StepStatus(vertex=v, state="running"))
+            return await detect_loss(store, p, data_dir)
+        finally:
+            await store.close()
+
+    lost_all = asyncio.run(flush_and_look())
+    source = pipeline_grants(p).sources[0]
+    assert source in {d.stream for d in lost_all}
+    assert all(d.reason == "the stream no longer exists" for d in lost_all)
+    assert next(d for d in lost_all if d.stream == source).first == COUNT + 1_000 + 1  # all after what was read
+    report = asyncio.run(watch(admin, p, data_dir))
+    assert not report.healthy and any(f.kind == "buffer-lost" for f in report.findings), report.to_json()
+    # a step run again does not take the flushed source for an empty one
+    runner = PipelineRunner(spark, specs, p, user, data_dir)
+    try:
+        with pytest.raises(StepError) as failed:
+            runner.run_available_now()
+    finally:
+        runner.close()
+    assert source in str(failed.value)
+    # reprocessing a range (and shadow runs) read JetStream buffers only
+    with pytest.raises(ReplayError, match="reprocessing and shadow runs is not available on Redis buffers yet"):
+        replay(lambda: spark, specs, p, admin, data_dir, mode="reprocess", from_offset="in/0/1")
