@@ -15,6 +15,7 @@ from nats.js.errors import BucketNotFoundError
 from isbflow.isb import naming
 from isbflow.isb import state as st
 from isbflow.isb.buffers import stream_state
+from isbflow.isb.store import BucketMissing
 from isbflow.recovery.status import last_recovery, recovery_line
 from isbflow.spec.models import Pipeline
 
@@ -63,12 +64,12 @@ async def read(nc: Any, p: Pipeline) -> PipelineState:
     order = p.topological_order()
     try:
         statuses = await st.all_status(nc, p.name, order)
-    except BucketNotFoundError:
+    except (BucketNotFoundError, BucketMissing):
         raise NotProvisioned(f"no status bucket {naming.status_bucket(p.name)} on the ISB service: the pipeline "
                              "is not provisioned yet (run the isb_provision DAG)") from None
     try:
         desired: dict[str, str | None] = {v: (await st.get_desired(nc, p.name, v)).value for v in order}
-    except BucketNotFoundError:
+    except (BucketNotFoundError, BucketMissing):
         desired = dict.fromkeys(order)
     out = PipelineState(statuses, desired, {v: await st.get_rates(nc, p.name, v) for v in order})
     dlq = await stream_state(nc, naming.dlq_stream(p.name))

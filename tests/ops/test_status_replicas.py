@@ -43,3 +43,23 @@ def test_pipeline_status_shows_the_autoscalers_replicas(nats_server):
     assert r.exit_code == 0, r.output
     steps = json.loads(r.stdout)["steps"]
     assert steps["in"]["replicas"]["target"] == 2 and steps["raw"]["replicas"] is None
+
+
+def test_status_of_a_pipeline_not_provisioned_says_so(nats_server):
+    """No status bucket on the server: one error naming the bucket and what to run (the key-value
+    role reports a missing bucket whichever store)."""
+    import pytest
+
+    from isbflow.ops.status import NotProvisioned, read
+
+    p = load_specs(SPEC).only_pipeline()
+
+    async def go():
+        nc = await connect(nats_server.settings)
+        try:
+            return await read(nc, p)
+        finally:
+            await nc.close()
+
+    with pytest.raises(NotProvisioned, match="not provisioned yet"):
+        asyncio.run(go())
