@@ -1,6 +1,6 @@
 """What a buffer store costs: measurement A of bench/throughput.py on each store; see bench/README.md.
 
-    python bench/stores.py [--quick] [--records N] [--rounds R] [--stores plain,chachapoly,aes]
+    python bench/stores.py [--quick] [--records N] [--rounds R] [--stores plain,chachapoly,aes,redis]
                            [--settle S] [--out bench/results/stores.json] [--keep]
 
 One process, one SparkSession ``local[2]`` (as bench/throughput.py starts it), and one store per
@@ -8,17 +8,21 @@ kind, each in its own data dir, stopped by PID at the end:
 
 - ``plain``: an embedded nats-server, file storage, JetStream not encrypted;
 - ``chachapoly``: the same with ``jetstream.encryption: true, cipher: chachapoly`` in the spec;
-- ``aes``: the same with ``cipher: aes``.
+- ``aes``: the same with ``cipher: aes``;
+- ``redis``: an embedded redis-server, the append-only file on (``redis: {native: {persistence:
+  true}}``), written and read through isbflow's Redis buffers (bench/stores_redis.py).
 
 Each server is started as isbflow starts it for the spec (:func:`isbflow.isb.server.start_embedded`
 with the spec's cipher, its key generated into the data dir) and provisioned with
-``provision.apply(..., data_dir=...)``, which refuses a server whose cipher is not the spec's.
+``provision.apply(..., data_dir=...)``, which refuses a server whose cipher is not the spec's. The
+Redis store is started and provisioned as ``isbflow isb up`` and ``isbflow isb apply`` do it.
 
 Every round measures every store, in an order rotated each round (plain, chachapoly, aes; then
 chachapoly, aes, plain; ...) so that each store takes each place and the machine's noise falls on
 all alike. On a store, a round: the edge's two partition streams are deleted and created again
 empty, the same records (:func:`_common.records`) are published into them as Arrow frames
-(``throughput.publish_frames``: acked, 16 in flight), timed; after ``--settle`` seconds (12 by
+(JetStream: ``throughput.publish_frames``, acked, 16 in flight; Redis: the same frames through
+``RedisBuffer.write``, 64 frames a call, one call at a time), timed; after ``--settle`` seconds (12 by
 default: nats-server keeps the blocks it has just written cached in memory for a few seconds,
 ``defaultCacheBufferExpiration`` in its filestore, so a read right after the publish would skip
 part of the decryption) A reads them into a fresh Delta table written through as a Delta sink
@@ -26,23 +30,24 @@ vertex runs (``throughput.Bench``), timed: records/s whole and steady. Beside ea
 seconds from ``/proc``: the store's server, the publisher (this process's main thread) while
 publishing, Spark's processes (the JVM, the zygote and the Python workers it forks) and this
 process while reading. After publishing, the store's folders are checked: every stream of an encrypted store
-has nats-server's ``meta.key`` and none of the plain store's does.
+has nats-server's ``meta.key`` and none of the plain store's does (Redis encrypts nothing: no check).
 
 Before the rounds, unreported: a warm-up query from memory, then on each store one fill and one
 batch of A's size written through (``Bench.warm_through``).
 
 The JSON: ``rounds`` (every figure of every round), ``summary`` (per store, the median over the
-rounds), ``ratios`` (per encrypted store, its median over plain's: below 1 for a rate means
+rounds), ``ratios`` (per store but plain, its median over plain's: below 1 for a rate means
 slower, above 1 for CPU means dearer) and ``ratios_per_round`` (each round's figure over plain's
-in the same round). Nothing is asserted; ratios of one run hold, absolute seconds do not.
-
-A Redis Streams store goes in :func:`redis_store` (``--stores redis``); it is not built.
+in the same round). The keys say ``nats`` for the store's server on either store
+(``publish_nats_cpu_s_per_m``: redis-server's CPU on Redis). Nothing is asserted; ratios of one
+run hold, absolute seconds do not.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import shutil
 import statistics
@@ -52,6 +57,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
+sys.modules.setdefault("stores", sys.modules[__name__])  # bench/stores_redis.py imports this module, run or not
 
 import _common as cm  # noqa: E402
 import throughput as tp  # noqa: E402  (sets the paths and environment Spark's workers need)
@@ -92,17 +98,25 @@ def _cpu(pid: int) -> float:
     return tree_cpu_seconds([pid])
 
 
+@functools.cache
+def _server_exes() -> frozenset[str]:
+    """The files the stores' servers run: nats-server, and redis-server as ``/proc/<pid>/exe`` shows it."""
+    from stores_redis import server_exe
+
+    return frozenset(filter(None, ("nats-server", "redis-server", server_exe())))
+
+
 def _spark_tree() -> list[int]:
     """The Spark JVM's tree and the zygote's (which forks the Python workers): every process below
-    this one but the stores' servers."""
+    this one but the stores' servers (nats-server, redis-server and its forks)."""
     me = os.getpid()
     out = []
     for pid in cm.descendants(me):
         try:
-            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             continue
-        if pid != me and exe != "nats-server":
+        if pid != me and exe not in _server_exes() and os.path.basename(exe) not in _server_exes():
             out.append(pid)
     return out
 
@@ -257,13 +271,11 @@ class JetStreamStore(Store):
 
 
 def redis_store(root: Path, cfg: tp.Config) -> Store:
-    """The place for a Redis Streams store: a :class:`Store` whose ``start`` runs its own
-    redis-server on 127.0.0.1 in ``root / "redis"`` (stopped by PID in ``stop``), ``refill`` empties
-    its buffers and publishes the same frames into them, timed, with the server's CPU, ``measure_a``
-    reads them through its Spark reader into a fresh Delta table (as :meth:`JetStreamStore.measure_a`),
-    and ``bench`` a :class:`throughput.Bench` whose frames reader points at it. Not built."""
-    raise NotImplementedError("--stores redis: the Redis store is not measured yet "
-                              "(bench/stores.py redis_store says what it needs)")
+    """The Redis Streams store: :class:`stores_redis.RedisBenchStore`, its own redis-server on
+    127.0.0.1 in ``root / "redis"``; a ``RuntimeError`` when there is no redis-server."""
+    from stores_redis import RedisBenchStore
+
+    return RedisBenchStore(root, cfg)
 
 
 def make_store(kind: str, root: Path, cfg: tp.Config) -> Store:
@@ -348,6 +360,9 @@ def _figures(m: dict) -> dict:
         "publish_nats_cpu_s_per_m": per_m(p.get("nats_cpu_s")),
         "read_nats_cpu_s_per_m": per_m(a.get("nats_cpu_s")) if "error" not in a else None,
         "store_bytes_per_record": round(p["store_bytes"] / p["records"], 1) if p["records"] else None,
+        # Redis only: the dataset it holds in memory after the fill
+        "server_memory_bytes_per_record": (round(p["server_dataset_bytes"] / p["records"], 1)
+                                           if p.get("server_dataset_bytes") and p["records"] else None),
         "publish_nats_cores": p.get("nats_cores"),
         "publisher_cores": p.get("publisher_cores"),
         "read_spark_cpu_s_per_m": per_m(a.get("spark_cpu_s")) if "error" not in a else None,
@@ -377,25 +392,39 @@ def summarize(r: dict, kinds: list[str]) -> None:
                                  for f, _, _ in FIGURES}
                              for k in kinds if k != base}
     r["ratio_basis"] = (
-        "ratios: each encrypted store's median over the rounds divided by plain's median; "
+        "ratios: each store's median over the rounds divided by plain's median; "
         "ratios_per_round: the same figure over plain's in the same round. Rates: records published "
         "(acked) per second; A whole = records / wall seconds of the query, steady = batches >= 1 from "
-        "Spark's progress. Costs: CPU seconds (user + system, /proc) of the store's nats-server per 1M "
-        "records published or read, and the store's bytes on disk after publishing.")
+        "Spark's progress. Costs: CPU seconds (user + system, /proc) of the store's server (nats-server, "
+        "redis-server; keys named nats_*) per 1M records published or read, and the store's bytes on disk "
+        "after publishing.")
     r["notes"] = [
         "Every store gets the same records (bench/_common.records), the same frames "
         f"({r['config']['frame_rows']} rows), the same Spark session and the same query; only the "
-        "server's JetStream store differs: not encrypted, encrypted with chachapoly, with aes.",
+        "store differs: JetStream not encrypted, encrypted with chachapoly, with aes; Redis Streams.",
         "Each round deletes and recreates the edge's streams before publishing, so every A reads "
         "exactly the round's records from a fresh checkpoint into a fresh Delta table.",
         f"A starts {r['config']['settle_s']:g} s after the publish ends (settle_s): nats-server drops its "
         "cache of the blocks it wrote after a few seconds, so A reads them back from the files (the page "
         "cache holds them: the read costs CPU, not disk), decrypting what is encrypted.",
-        "The order is rotated each round so that each store runs first, second and third once per "
-        "three rounds.",
+        "The order is rotated each round so that each store takes each place once per as many rounds "
+        "as there are stores.",
         "The machine is shared: compare ratios within one run; absolute seconds vary with the load "
         "averages recorded at start, each round and end.",
     ]
+    if "redis" in kinds:
+        r["notes"] += [
+            "redis: frames written with RedisBuffer.write (the idempotent write script), 64 frames a call "
+            "(at most 4 MiB), one call at a time, ids by position (no payload digest); A reads them 32 "
+            "frames a call (isbflow.isb.redis.partitions.READ_FRAMES). Redis keeps the buffers in memory: "
+            "the settle wait changes nothing for it. Redis has no encryption at rest.",
+            "redis: store_bytes is the append-only directory as Redis leaves it after a fill (written and "
+            "fsynced, never rewritten by the bench): it still holds earlier fills and the deletes of their "
+            "streams until Redis rewrites it on its own (auto-aof-rewrite-percentage), or only the part "
+            "written since its last rewrite, so it is not this fill's size; in rounds beside it: "
+            "store_bytes_added (the fill's growth; None when Redis rewrote the file during the fill), "
+            "aof_rewrites and server_dataset_bytes (the dataset in memory, per record in the summary).",
+        ]
 
 
 def print_table(r: dict) -> None:
@@ -409,10 +438,12 @@ def print_table(r: dict) -> None:
                                                          for k in kinds))
     print(f"{'publisher cores while publishing':<40}" + "".join(f"{_shown(s[k].get('publisher_cores')):>14}"
                                                             for k in kinds))
+    print(f"{'server memory bytes per record (Redis)':<40}"
+          + "".join(f"{_shown(s[k].get('server_memory_bytes_per_record')):>14}" for k in kinds))
     print(f"{'every A complete, encryption as spec':<40}"
           + "".join(f"{str(s[k]['complete']) + '/' + str(s[k]['encryption_as_specified']):>14}" for k in kinds))
     if r.get("ratios"):
-        print("\nencrypted / plain (ratio of medians; per round in brackets)")
+        print("\nstore / plain (ratio of medians; per round in brackets)")
         for k, rat in r["ratios"].items():
             print(f"  {k}:")
             for f, label, _ in FIGURES:
@@ -451,7 +482,7 @@ def main() -> None:
     try:
         for k in kinds:
             make_store(k, Path(tempfile.gettempdir()), cfg)  # constructs nothing on disk: refuses early
-    except NotImplementedError as e:
+    except (NotImplementedError, RuntimeError) as e:
         ap.error(str(e))
     settle = args.settle if args.settle is not None else (1.0 if args.quick else 12.0)
     cm.write_result(run(cfg, kinds, rounds, settle, args.keep), args.out, print_table)
