@@ -48,7 +48,8 @@ def test_the_platforms_producer_writes_the_source_stream_as_the_producer_user(tm
     try:
         admin = platform.pipeline_settings(dd, specs, p)
         ops_isb.apply(admin, specs, p.name, data_dir=dd)
-        opts = platform.PipelineOptions(str(SPEC), rate=5000, count=600)
+        # 3 s of producing: its environment is read while it runs (an exited one's reads empty)
+        opts = platform.PipelineOptions(str(SPEC), rate=200, count=600)
         proc = platform.start_producer(dd, opts, p, admin, "test", first=0)
         assert environ(proc.pid)["REDIS_USER"] == PRODUCER
         _, status = os.waitpid(proc.pid, 0)
