@@ -53,6 +53,10 @@ FORKED = (SOURCE_RUNNER, DAEMON)
 PRELOAD = (SOURCE_RUNNER, DAEMON, "pyspark.worker", "isbflow.connector.source", "isbflow.connector.reader",
            "isbflow.connector.files", "isbflow.connector.task_publisher", "pandas", "pyspark.sql.pandas.serializers",
            "isbflow.steps.write_through_reader")  # a Delta sink vertex's read tasks write Parquet (delta-rs)
+#: what a driver of a pipeline on Redis buffers preloads too (its environment names ``REDIS_URL``,
+#: :func:`isbflow.steps.driver.settings_env`): without it every read task imported redis-py at its
+#: first read, 0.29-0.31 s a task (py-spy: 24% of a Redis read task's wall time in bench/stores.py's A)
+REDIS_PRELOAD = ("isbflow.isb.redis.connection",)
 ENV_SWITCH = "ISBFLOW_SPARK_ZYGOTE"
 #: seconds the zygote may take to import :data:`PRELOAD` (~1 s here; a loaded machine takes longer)
 START_TIMEOUT = 120.0

@@ -49,6 +49,7 @@ from isbflow.steps.zygote import (
     FORKED,
     PRELOAD,
     RECV_TIMEOUT,
+    REDIS_PRELOAD,
     SOURCE_RUNNER,
     decode_request,
 )
@@ -256,7 +257,7 @@ def serve(path: str, allowed: tuple[str, ...] = FORKED, recv_timeout: float = RE
     # instead (its stdin closes), and runners already forked stop as Spark tells them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     driver = os.getppid()
-    for name in PRELOAD:
+    for name in PRELOAD + (REDIS_PRELOAD if os.environ.get("REDIS_URL") else ()):
         importlib.import_module(name)
     # what was imported stays out of the cyclic GC's reach: a child's collections then do not write
     # the shared objects' GC headers, which would copy their pages into every child

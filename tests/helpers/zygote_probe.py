@@ -22,7 +22,7 @@ if __name__ == "__main__":
     line = sys.stdin.readline().strip()
     print(json.dumps({"argv": sys.argv[1:], "probe": os.environ.get("ZYGOTE_PROBE"), "cwd": os.getcwd(),
                       "path0": sys.path[0], "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
-                      "preloaded": "pyarrow" in sys.modules, "frozen": gc.get_freeze_count(), "sys_path": sys.path,
+                      "preloaded": "pyarrow" in sys.modules, "redis": "redis" in sys.modules, "frozen": gc.get_freeze_count(), "sys_path": sys.path,
                       "comm": open("/proc/self/comm").read().strip()}), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     sys.exit(int(sys.argv[1]))

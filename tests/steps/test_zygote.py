@@ -45,11 +45,26 @@ def test_a_forked_child_gets_the_launchers_argv_environment_directory_streams_an
     assert seen["cwd"] == str(tmp_path) and seen["path0"] == str(tmp_path)
     # forked from the zygote (not started by the launcher), with what the zygote imported already there
     assert seen["ppid"] == zyg.proc.pid and seen["preloaded"] is True
+    assert seen["redis"] is False  # a driver of a JetStream pipeline never imports redis-py
     # and kept out of the cyclic GC (gc.freeze): measured on the demo, 62% -> 44% of a core
     assert seen["frozen"] > 10_000, seen["frozen"]
     # named for its module (what top shows): its command line is the zygote's
     assert seen["comm"] == "zygote_probe"
     assert "to stderr" in r.stderr
+
+
+def test_a_driver_on_redis_buffers_preloads_the_redis_client(monkeypatch, tmp_path):
+    """A driver whose environment names REDIS_URL (a pipeline on Redis buffers) has its zygote
+    import the Redis client once, so that read tasks do not each import it."""
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    z = zygote.Zygote(sys.executable, forked=(PROBE,))
+    try:
+        r = subprocess.run([z.launcher, "-m", PROBE, "0"], input="x\n", capture_output=True, text=True,
+                           cwd=tmp_path, env=probe_env(), timeout=WAIT)
+    finally:
+        z.close()
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["redis"] is True
 
 
 def test_a_child_leaves_out_sparks_own_copies_of_pyspark_from_its_import_path(zyg, tmp_path):
