@@ -126,7 +126,11 @@ def test_an_idle_pipeline_sleeps_without_its_driver_and_wakes_on_new_data(nats_s
         awake = [e for e in events if e["action"] == "awake"]
         assert len(awake) == 2 and awake[1]["inputs"]["driver_pid"] != pid
         wake = [e for e in events if e["action"] == "wake"][-1]
-        assert wake["inputs"]["grown"] == {"src-zero-in": {"committed": first, "last_seq": first + more}}
+        # the watcher wakes on the first new event it sees: how many of the new ones had landed by then
+        # depends on the machine's load, all of them are read by the awoken driver (below)
+        grown = wake["inputs"]["grown"]["src-zero-in"]
+        assert set(wake["inputs"]["grown"]) == {"src-zero-in"} and grown["committed"] == first
+        assert first < grown["last_seq"] <= first + more
         assert [e for e in events if e["action"] == "asleep"][1]["inputs"]["final_offsets"]["in"] == {
             "src-zero-in": first + more}
         assert not process_alive(awake[1]["inputs"]["driver_pid"])
