@@ -2,7 +2,9 @@
 enrich -> raw when its keys are deleted (what an eviction or an operator's DEL leaves); the loss
 is detected, and `recover` recreates the region's partitions with a new incarnation, rewinds and
 replays from the source's offsets, and the raw sink ends exact, as on JetStream
-(tests/recovery/test_recover.py). Then the whole server is flushed (what a restart without
+(tests/recovery/test_recover.py); the demo then runs on as its own ACL user with every sink exact
+(raw, the errors routed by tags, the aggregates a batch recount), the malformed events dead
+letters, and every edge partition released up to its downstream's commit. Then the whole server is flushed (what a restart without
 persistence or a failover to an empty replica leaves): the watchdog finds every buffer the steps
 had read lost and turns red, and a step run again fails naming the lost source stream instead of
 reading on as if nothing had been there (the flush took the source too: nothing to replay from).
@@ -18,9 +20,10 @@ from deltalake import DeltaTable
 
 from isbflow.isb import naming, reference
 from isbflow.isb.connect import connect
+from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import detect_loss
 from isbflow.isb.roles import pipeline_grants, pipeline_user
-from isbflow.isb.state import StepStatus, put_status
+from isbflow.isb.state import Observed, StepStatus, put_status
 from isbflow.ops import isb as ops_isb
 from isbflow.ops.produce import is_malformed, produce
 from isbflow.ops.replay import ReplayError, replay
@@ -30,9 +33,10 @@ from isbflow.spec import load_specs
 from isbflow.steps.runner import PipelineRunner, StepError
 from tests.conftest import ROOT
 from tests.helpers.recovery import run_available_now
+from tests.steps.test_runner import check_agg_is_batch_recount
 
 MALFORMED_EVERY = 500
-COUNT = 5_000
+COUNT = 4_000
 
 
 def good_ids(count):
@@ -83,18 +87,30 @@ def test_recover_after_a_redis_partition_is_deleted_and_a_flush_is_loss(spark, r
     # the pipeline goes on normally after recovery, and nothing reads as lost
     assert asyncio.run(produce(admin, p, count=1_000, seed=7, start=COUNT,
                                malformed_every=MALFORMED_EVERY)).published == 1_000
-    run_available_now(spark, specs, p, user, data_dir)
+    out = run_available_now(spark, specs, p, user, data_dir)
+    assert [out[v].state for v in p.topological_order()] == [Observed.STOPPED] * 7
     ids = raw_ids(data_dir)
     assert len(ids) == len(set(ids)) and set(ids) == good_ids(COUNT + 1_000)
+    # the demo's other sinks and its dead letters, as on JetStream (tests/steps/test_runner.py)
+    raw = DeltaTable(str(data_dir / "sinks/logs-redis/raw")).to_pyarrow_table()
+    errors = DeltaTable(str(data_dir / "sinks/logs-redis/errors")).to_pyarrow_table().column("_isb_id").to_pylist()
+    want_errors = {r["_isb_id"] for r in raw.select(["_isb_id", "level"]).to_pylist() if r["level"] == "ERROR"}
+    assert want_errors and sorted(errors) == sorted(want_errors)
+    letters = asyncio.run(read_dead_letters(admin, p.name, "in"))
+    assert len(letters) == (COUNT + 1_000) // MALFORMED_EVERY and all(dl["step"] == "in" for dl in letters)
+    check_agg_is_batch_recount(spark, data_dir, sinks="sinks/logs-redis")
 
-    async def detect():
+    async def detect_and_held():
         store = await connect(admin)
         try:
-            return await detect_loss(store, p, data_dir)
+            held = {s: (await store.buffers().state(s)).messages for s in pipeline_grants(p).buffers}
+            return await detect_loss(store, p, data_dir), held
         finally:
             await store.close()
 
-    assert asyncio.run(detect()) == []
+    lost_now, held = asyncio.run(detect_and_held())
+    assert lost_now == []
+    assert set(held.values()) == {0}  # every edge partition released up to its downstream's commit
 
     # then the whole server loses its data (FLUSHALL: what a restart without persistence or a
     # failover to an empty replica leaves): buffer loss, never an empty buffer
