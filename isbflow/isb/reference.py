@@ -155,21 +155,29 @@ async def put(settings: NatsSettings, pipeline: str, name: str, rows: Mapping[st
             kv = await js.create_key_value(KeyValueConfig(
                 bucket=bucket, description=f"isbflow pipeline {pipeline}: reference table {name}",
                 history=_HISTORY, storage=StorageType.FILE, direct=True))
-        current = await _entries(nc, bucket)
-        written = unchanged = deleted = 0
-        for key in sorted(rows):
-            data = _encode(rows[key])
-            if current.get(key) == data:
-                unchanged += 1
-                continue
-            await kv.put(key, data)
-            written += 1
-        if replace:
-            for key in sorted(set(current) - set(rows)):
-                await kv.delete(key)
-                deleted += 1
+        written, unchanged, deleted = await _write_rows(kv, await _entries(nc, bucket), rows, replace)
         revision = (await js.stream_info(_bucket_stream(bucket))).state.last_seq
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
+
+
+async def _write_rows(kv: Any, current: Mapping[str, bytes], rows: Mapping[str, Mapping[str, Any]],
+                      replace: bool) -> tuple[int, int, int]:
+    """Put the rows whose value differs from ``current`` (and, ``replace``, delete the keys ``rows``
+    lacks) through ``kv``'s ``put``/``delete`` (a JetStream KV or a :class:`KeyValue`); how many
+    were written, unchanged and deleted."""
+    written = unchanged = deleted = 0
+    for key in sorted(rows):
+        data = _encode(rows[key])
+        if current.get(key) == data:
+            unchanged += 1
+            continue
+        await kv.put(key, data)
+        written += 1
+    if replace:
+        for key in sorted(set(current) - set(rows)):
+            await kv.delete(key)
+            deleted += 1
+    return written, unchanged, deleted
 
 
 async def current_revision(conn: Any, pipeline: str, name: str) -> int | None:
@@ -194,18 +202,7 @@ async def _put_kv(kv: KeyValue, rows: Mapping[str, Mapping[str, Any]], replace: 
     changed something."""
     current = await kv.items()
     current.pop(REVISION_KEY, None)
-    written = unchanged = deleted = 0
-    for key in sorted(rows):
-        data = _encode(rows[key])
-        if current.get(key) == data:
-            unchanged += 1
-            continue
-        await kv.put(key, data)
-        written += 1
-    if replace:
-        for key in sorted(set(current) - set(rows)):
-            await kv.delete(key)
-            deleted += 1
+    written, unchanged, deleted = await _write_rows(kv, current, rows, replace)
     held = await kv.get(REVISION_KEY)
     revision = await kv.add(REVISION_KEY, 1) if written or deleted or held is None else int(held)
     return {"written": written, "unchanged": unchanged, "deleted": deleted, "revision": revision}
@@ -226,19 +223,14 @@ async def _within(coro: Coroutine[Any, Any, T], timeout: float, error: Reference
 
 
 async def revision(settings: NatsSettings, pipeline: str, name: str, timeout: float = LOAD_TIMEOUT) -> int:
-    """The table's revision: the bucket stream's last sequence (one small request)."""
+    """The table's revision (:func:`current_revision`: one small request); :class:`ReferenceError` when
+    the table does not exist."""
     async def go() -> int:
         async with session(settings, name="isbflow-ref") as nc:
-            if _own_buckets(nc):
-                rev = await (await nc.kv(naming.reference_bucket(pipeline, name))).get(REVISION_KEY)
-                if rev is None:
-                    raise _not_found(pipeline, name, settings)
-                return int(rev)
-            try:
-                return (await nc.jetstream().stream_info(
-                    _bucket_stream(naming.reference_bucket(pipeline, name)))).state.last_seq
-            except NotFoundError:
-                raise _not_found(pipeline, name, settings) from None
+            rev = await current_revision(nc, pipeline, name)
+        if rev is None:
+            raise _not_found(pipeline, name, settings)
+        return rev
 
     return await _within(go(), timeout, _timed_out(pipeline, name, settings, "checking the revision of", timeout))
 
