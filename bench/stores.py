@@ -294,12 +294,42 @@ def rotated(kinds: list[str], r: int) -> list[str]:
     return kinds[k:] + kinds[:k]
 
 
+def run_config(cfg: tp.Config, kinds: list[str], rounds: int, settle: float) -> dict:
+    """The ``config`` of a stores result (what :func:`summarize` and :func:`print_table` read)."""
+    return {"records": cfg.records, "rounds": rounds, "stores": kinds, "settle_s": settle,
+            "frame_rows": cfg.frame_rows, "batch_rows": cfg.batch_rows}
+
+
+def measure(stores: dict[str, Store], cfg: tp.Config, rounds: int, settle: float, sampler,
+            phase: str = "") -> list[dict]:
+    """The rounds over the started ``stores`` (module doc), after one fill and one written-through
+    batch on each, unreported; the RSS sampler's phases are named after ``phase``."""
+    for k, s in stores.items():
+        sampler.phase = f"{phase}warmup-{k}"
+        s.refill(cfg.records)
+        s.bench.warm_through(f"{phase}warmup-through")
+    out = []
+    for r in range(1, rounds + 1):
+        entry: dict = {"round": r, "order": rotated(list(stores), r - 1), "load_average": list(os.getloadavg())}
+        for k in entry["order"]:
+            s = stores[k]
+            sampler.phase = f"{phase}produce-{k}-{r}"
+            log(f"round {r}/{rounds}, {k}: publishing {cfg.records} records as frames")
+            produce = s.refill(cfg.records)
+            log(f"round {r}/{rounds}, {k}: published {produce['records_per_s']} rec/s, server "
+                f"{produce['nats_cores']} cores, publisher {produce['publisher_cores']}")
+            sampler.phase = f"{phase}settle-{k}-{r}"
+            time.sleep(settle)
+            a = s.measure_a(f"{phase}A-{k}-{r}", cfg.records)
+            entry[k] = {"produce": produce, "A": a}
+        out.append(entry)
+    return out
+
+
 def run(cfg: tp.Config, kinds: list[str], rounds: int, settle: float, keep: bool) -> dict:
     result: dict = {"machine": cm.machine(), "load_average_start": list(os.getloadavg()),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "config": {"records": cfg.records, "rounds": rounds, "stores": kinds, "settle_s": settle,
-                               "frame_rows": cfg.frame_rows, "batch_rows": cfg.batch_rows},
-                    "rounds": []}
+                    "config": run_config(cfg, kinds, rounds, settle), "rounds": []}
     root = Path(tempfile.mkdtemp(prefix="isbflow-bench-stores-"))
     stores = {k: make_store(k, root, cfg) for k in kinds}
     spark = sampler = None
@@ -310,30 +340,12 @@ def run(cfg: tp.Config, kinds: list[str], rounds: int, settle: float, keep: bool
             s.start(spark, sampler)
         result["stores"] = {k: s.describe() for k, s in stores.items()}
 
-        # ---- warm-up (not reported): JIT, Python workers, the written-through path, each server's first fill
+        # ---- warm-up (not reported): JIT, Python workers; measure() then warms each store
         first = stores[kinds[0]].bench
         sampler.phase = "warmup"
         n = min(cfg.records, 200_000)
         first.run(first.memory(n), "warmup", n)
-        for k, s in stores.items():
-            sampler.phase = f"warmup-{k}"
-            s.refill(cfg.records)
-            s.bench.warm_through()
-
-        for r in range(1, rounds + 1):
-            entry: dict = {"round": r, "order": rotated(kinds, r - 1), "load_average": list(os.getloadavg())}
-            for k in entry["order"]:
-                s = stores[k]
-                sampler.phase = f"produce-{k}-{r}"
-                log(f"round {r}/{rounds}, {k}: publishing {cfg.records} records as frames")
-                produce = s.refill(cfg.records)
-                log(f"round {r}/{rounds}, {k}: published {produce['records_per_s']} rec/s, server "
-                    f"{produce['nats_cores']} cores, publisher {produce['publisher_cores']}")
-                sampler.phase = f"settle-{k}-{r}"
-                time.sleep(settle)
-                a = s.measure_a(f"A-{k}-{r}", cfg.records)
-                entry[k] = {"produce": produce, "A": a}
-            result["rounds"].append(entry)
+        result["rounds"] = measure(stores, cfg, rounds, settle, sampler)
         sampler.phase = "end"
         result["nats_server_rss_bytes_at_end"] = {k: s.rss_bytes() for k, s in stores.items()}
     finally:

@@ -1,6 +1,7 @@
 """Throughput benchmark of the engine: A, B, C, D, E, F, G, H; see bench/README.md.
 
     python bench/throughput.py [--quick] [--records N] [--events N] [--out bench/results/throughput.json]
+                               [--stores jetstream,redis,encrypted [--store-rounds R]]
 
 Starts its own embedded nats-server (file storage, in a temporary data dir,
 stopped by PID at the end) and one SparkSession ``local[2]``, runs every
@@ -12,6 +13,10 @@ shared, so ratios from one run hold and absolute seconds do not.
 Every Spark measurement reports the whole run (records / wall seconds from
 ``start()`` to the end of the query) and the steady state (batches >= 1 from
 ``recentProgress``: batch 0 carries seconds of warm-up).
+
+``--stores`` also runs A on each store named, in the same session after F: bench/stores.py's
+stores and rounds (:func:`measure_stores`), plain JetStream always among them as the base of the
+ratios; the JSON's ``stores`` holds them as bench/stores.py writes them (``summary``, ``ratios``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
+sys.modules.setdefault("throughput", sys.modules[__name__])  # bench/stores.py imports this module, run or not
 # Spark's Python workers import this folder's _common (the memory source): hand them the path.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(BENCH), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
@@ -92,6 +98,12 @@ TARGETS = [  # key, label, comparison, bound (issue 14)
     ("replay_over_first", "G replay / first read, whole run", ">=", 1.2),
     ("peak_rss_bytes", "peak RSS bench + JVM + workers (bytes)", "<=", 1.5 * 1024**3),
 ]
+
+
+#: ``--stores`` names for bench/stores.py's stores (which also takes its own names: plain, chachapoly, aes)
+STORE_NAMES = {"jetstream": "plain", "redis": "redis", "encrypted": "chachapoly"}
+#: the RSS sampler's phases of ``--stores`` begin with this (not in ``peak_rss_bytes``: A's own phases are)
+STORES_PHASE = "stores-"
 
 
 @dataclass
@@ -296,12 +308,12 @@ class Bench:
 
         return read
 
-    def warm_through(self) -> None:
+    def warm_through(self, name: str = "warmup-through") -> None:
         """One batch of A's size written through, not reported: the path's first query (its Python
         workers, imports, the code Spark generates) does not land on A. Measured before this existed,
         the first written-through query of a session ran 616-704K rec/s where the same query again ran
         866-952K (2M records, ``local[2]``)."""
-        q, _, _ = self._sink(self.frames_through(), "warmup-through", self.cfg.batch_rows,
+        q, _, _ = self._sink(self.frames_through(), name, self.cfg.batch_rows,
                              trigger={"processingTime": "1 hour"}, sink="through")
         try:
             deadline = cm.now() + 600
@@ -477,6 +489,9 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true",
                     help="also run H, A, B, C and E into Spark's noop sink (what the reads cost without the "
                          "sink) and H and A into the Python stream writer isb-delta (the sink before issue 14)")
+    ap.add_argument("--stores", help="also A on each of these stores, in the same run (e.g. jetstream,redis,encrypted; "
+                                     "encrypted: chachapoly; plain JetStream always, the base of the ratios)")
+    ap.add_argument("--store-rounds", type=int, help="rounds over the --stores (default 3; quick 1)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     ap.add_argument("--publish-live", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -492,10 +507,55 @@ def main() -> None:
         trigger=args.trigger, json_files=20 if q else 50,
         frame_rows=frame_rows(records),
     )
-    cm.write_result(run(cfg, args.keep, args.diagnose), args.out, print_table)
+    stores = None
+    if args.stores:
+        try:
+            stores = (store_kinds(args.stores, cfg), args.store_rounds or (1 if q else 3), 1.0 if q else 12.0)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+    cm.write_result(run(cfg, args.keep, args.diagnose, stores), args.out, print_table)
 
 
-def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
+def store_kinds(names: str, cfg: Config) -> list[str]:
+    """``--stores`` as bench/stores.py's kinds, plain JetStream first whether named or not; a
+    ``ValueError`` for an unknown or repeated name, a ``RuntimeError`` for a store missing here."""
+    import stores as st
+
+    kinds = [STORE_NAMES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
+    if len(set(kinds)) != len(kinds) or set(kinds) - set(st.KINDS):
+        raise ValueError(f"--stores {names}: name each of {', '.join([*STORE_NAMES, *st.KINDS])} at most once")
+    kinds = ["plain", *(k for k in kinds if k != "plain")]
+    for k in kinds:
+        st.make_store(k, Path(tempfile.gettempdir()), cfg)  # constructs nothing on disk: refuses early
+    return kinds
+
+
+def measure_stores(cfg: Config, stores: tuple[list[str], int, float], root: Path, spark, sampler) -> dict:
+    """A on each store of ``stores`` (kinds, rounds, settle seconds) in this run's session, as
+    bench/stores.py measures it; its result (``summary``, ``ratios`` over plain JetStream), or
+    ``{"error": ...}`` when a store failed."""
+    import stores as st
+
+    kinds, rounds, settle = stores
+    out: dict = {"config": st.run_config(cfg, kinds, rounds, settle),
+                 "names": {n: k for n, k in STORE_NAMES.items() if k in kinds}}
+    running = {k: st.make_store(k, root, cfg) for k in kinds}
+    try:
+        sampler.phase = f"{STORES_PHASE}setup"
+        for s in running.values():
+            s.start(spark, sampler)
+        out["stores"] = {k: s.describe() for k, s in running.items()}
+        out["rounds"] = st.measure(running, cfg, rounds, settle, sampler, STORES_PHASE)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, the rest of the run stands
+        log(f"stores: FAILED {str(e).splitlines()[0][:300]}")
+        return out | {"error": str(e)[:3000]}
+    finally:
+        cm.undo_all([(f"{k} store", s.stop) for k, s in running.items()])
+    st.summarize(out, kinds)
+    return out
+
+
+def run(cfg: Config, keep: bool, diagnose: bool = False, stores: tuple[list[str], int, float] | None = None) -> dict:
     from pyspark.sql import functions as F
 
     from isbflow.isb import naming, provision
@@ -616,6 +676,8 @@ def run(cfg: Config, keep: bool, diagnose: bool = False) -> dict:
                 result["F_high"] = {"error": str(e)[:3000], "latency_p50_s": None, "latency_p99_s": None}
             log(f"F high: p50 {result['F_high']['latency_p50_s']} p99 {result['F_high']['latency_p99_s']}, "
                 f"visible {result['F_high'].get('records_visible')} of {result['F_high'].get('publisher')}")
+        if stores:
+            result["stores"] = measure_stores(cfg, stores, work / "stores", spark, sampler)
         sampler.phase = "end"
         nats_rss = cm.status_bytes(nats_pid, "VmRSS")
         result["nats_server_rss_bytes_at_end"] = nats_rss
@@ -639,7 +701,8 @@ def summarize(r: dict, sampler) -> None:
     g["first"] = {k: a.get(k) for k in ("records_per_s", "steady_records_per_s", "seconds")}
     g["replay_over_first_steady"] = ratio(g["replay"]["steady_records_per_s"], a["steady_records_per_s"])
     measured = {k: v for k, v in sampler.peaks.items()
-                if k not in ("setup", "produce", "all", "end") and not k.endswith(READBACK)}
+                if k not in ("setup", "produce", "all", "end") and not k.endswith(READBACK)
+                and not k.startswith(STORES_PHASE)}
     peak = max(measured.values(), key=lambda s: s["rss_bytes"])
     peak_phase = next(k for k, v in measured.items() if v is peak)
     r["memory"] = {"peak_during_measurements": peak, "peak_phase": peak_phase,
@@ -757,6 +820,15 @@ def print_table(r: dict) -> None:
             py = f" [{w['python_writer_steady']}]" if "python_writer_steady" in w else ""
             print(f"  {k}: {w['delta_steady']!s:>10} / {w['noop_steady']!s:>10} ({w['delta_over_noop_steady']}){py}: "
                   f"{w['bound_by']}")
+    if r.get("stores"):
+        import stores as st
+
+        names = ", ".join(f"{n}: {k}" for n, k in r["stores"]["names"].items())
+        print(f"\nA on each store (bench/stores.py; {names})")
+        if "error" in r["stores"]:
+            print(f"  FAILED: {r['stores']['error'][:300]}")
+        else:
+            st.print_table(r["stores"])
 
 
 if __name__ == "__main__":
