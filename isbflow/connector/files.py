@@ -211,6 +211,27 @@ def count_lines(path: str | os.PathLike) -> int:
     return n + (last != b"\n")
 
 
+def landed(path: str | os.PathLike, pattern: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files landed in the folder ``path`` in name order (regular files matching ``pattern``,
+    neither hidden nor ``*.tmp``), and the matching names that are not read with what they are."""
+    try:
+        with os.scandir(path) as entries:
+            matching = [e for e in entries if fnmatch.fnmatchcase(e.name, pattern)
+                        and not e.name.startswith(".") and not e.name.endswith(".tmp")]
+    except FileNotFoundError:
+        return [], []
+    names = [e.name for e in matching if e.is_file(follow_symlinks=False)]
+    others = [(e.name, "a symlink" if e.is_symlink() else "not a regular file")
+              for e in matching if not e.is_file(follow_symlinks=False)]
+    return sorted(names), others
+
+
+def landed_lines(path: str | os.PathLike, pattern: str) -> dict[str, int]:
+    """``files/<name>`` (the partition of the ids read from it) -> its line count, for every file
+    landed in ``path``: what a replay of the source reads, and recovery checks the sinks against."""
+    return {f"{ID_PREFIX}/{name}": count_lines(os.path.join(path, name)) for name in landed(path, pattern)[0]}
+
+
 def _lines(f, max_line_bytes: int) -> Iterator[tuple[bytes, int | None]]:
     """Each line of ``f`` (without its ``\\n``) and None, or for a line over ``max_line_bytes`` its first
     bytes and its length: such a line is skipped to its end a buffer at a time, never held whole."""
@@ -306,22 +327,13 @@ class FilesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _listing(self) -> list[str]:
         """The landed files, in name order: regular files matching the pattern (module docstring)."""
-        try:
-            with os.scandir(self.path) as entries:
-                matching = [e for e in entries if fnmatch.fnmatchcase(e.name, self.pattern)
-                            and not e.name.startswith(".") and not e.name.endswith(".tmp")]
-        except FileNotFoundError:
-            return []
-        names = []
-        for e in matching:
-            if e.is_file(follow_symlinks=False):
-                names.append(e.name)
-            elif e.name not in self._skipped:
-                self._skipped.add(e.name)
-                what = "a symlink" if e.is_symlink() else "not a regular file"
+        names, others = landed(self.path, self.pattern)
+        for name, what in others:
+            if name not in self._skipped:
+                self._skipped.add(name)
                 log.warning("isb-files: %s is %s: not read (only files landed in %s are)",
-                            os.path.join(self.path, e.name), what, self.path)
-        return sorted(names)
+                            os.path.join(self.path, name), what, self.path)
+        return names
 
     def _lines(self, name: str) -> int:
         if name not in self._counts:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from isbflow.isb import naming
+from isbflow.isb import naming, reference
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings, SyncSession
 from isbflow.isb.control import kv as open_kv
@@ -176,6 +176,21 @@ def downstream(p: Pipeline, roots: set[str]) -> set[str]:
     for v in roots:
         out |= p.descendants(v)
     return out
+
+
+async def missing_references(conn: Any, p: Pipeline, steps: list[str]) -> list[tuple[str, str]]:
+    """``(step, table)`` for each reference table one of ``steps`` joins that no longer exists on the
+    ISB service: a store that lost its buffers (a Redis restarted empty, a flush) lost the tables
+    kept beside them too, and a replay through that step would fail after the rewind."""
+    return [(v, ref.name) for v in steps if p.vertex(v).udf is not None for ref in p.vertex(v).udf.references
+            if await reference.current_revision(conn, p.name, ref.name) is None]
+
+
+def references_refusal(verb: str, p: Pipeline, missing: list[tuple[str, str]]) -> str:
+    names = ", ".join(f"'{name}' (step {v})" for v, name in missing)
+    return (f"{verb} {p.name}: reference table {names} no longer exists on the ISB service (lost with the "
+            f"buffers?); nothing was changed: put it again with 'isbflow ref put -f <spec> --name "
+            f"{missing[0][1]} --from-file <rows.json>', then run {verb} again")
 
 
 def region_of(p: Pipeline, lost_streams: set[str]) -> tuple[set[str], set[str]]:

@@ -33,7 +33,7 @@ from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss
 from isbflow.isb.routed import read_covered
 from isbflow.recovery import pg_sinks
-from isbflow.recovery.job import region_of, running_steps
+from isbflow.recovery.job import missing_references, region_of, running_steps
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.steps.runner import PipelineRunner
@@ -69,7 +69,9 @@ class RecoveryPlan:
     source_lost: dict[str, list[list[int]]] = field(default_factory=dict)
     id_sinks: list[str] = field(default_factory=list)
     merged_by_dimensions: dict[str, list[str]] = field(default_factory=dict)
-    state: str = "nothing-lost"  # nothing-lost | would-recover
+    #: step -> reference table it joins that no longer exists: recover refuses until it is put again
+    missing_references: dict[str, str] = field(default_factory=dict)
+    state: str = "nothing-lost"  # nothing-lost | would-recover | would-refuse
 
     @property
     def records_to_replay(self) -> int:
@@ -90,6 +92,10 @@ class RecoveryPlan:
         """The plan in a few lines, for a task log or the terminal."""
         if self.state == "nothing-lost":
             return f"pipeline {self.pipeline}: no buffer lost, recover would do nothing"
+        if self.state == "would-refuse":
+            return "\n".join([f"pipeline {self.pipeline}: recover WOULD REFUSE (dry run, nothing changed): "
+                              "put these reference tables again first (isbflow ref put)"]
+                             + [f"  {t} (step {v})" for v, t in self.missing_references.items()])
         lines = [f"pipeline {self.pipeline}: recover WOULD (dry run, nothing changed):"]
         lines += [f"  lost {b.stream}" + ("" if b.first is None else f" from sequence {b.first}"
                                           + (f" to {b.last}" if b.last else "")) + f": {b.reason}"
@@ -123,6 +129,9 @@ def plan_recover(spark, specs: Specs, pipeline: Pipeline, settings: NatsSettings
             sources, region = region_of(p, {b.stream for b in found})
             plan.sources = sorted(sources)
             plan.region = [v for v in p.topological_order() if v in region]
+            plan.missing_references = dict(loop.run_until_complete(missing_references(nc, p, plan.region)))
+            if plan.missing_references:
+                plan.state = "would-refuse"
             state = loop.run_until_complete(_read_state(nc, settings, p, plan))
         finally:
             loop.run_until_complete(nc.close())

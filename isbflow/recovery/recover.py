@@ -6,7 +6,10 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
 1. **detect** (:func:`detect_loss`, or the streams given): a buffer is lost
    when its stream is missing, or is another incarnation than the one its
    reading step's checkpoint names, or its first sequence moved past that
-   checkpoint's offset. Nothing lost: recover stops here.
+   checkpoint's offset. Nothing lost: recover stops here. A step of the
+   region whose reference table no longer exists (a store that lost its
+   buffers lost the tables kept beside them) is refused here, before anything
+   changes: the operator puts the table again, then recovers.
 2. **drain** the region's steps that still run (:func:`~isbflow.recovery.job.running_steps`: a fresh
    ``running``/``draining`` heartbeat), upstream first; a step that fails, stops
    or goes silent meanwhile no longer holds the drain up (:func:`drain_steps`).
@@ -35,7 +38,8 @@ pipeline's status bucket (key ``recovery``, the JSON of :class:`RecoveryReport`)
    the other, available-now, instead (measured slower in ``bench/recovery.py``:
    every step's start-up and its whole range in sequence).
 6. **verify**: per ``_isb_id`` sink, no duplicate id, and every source
-   sequence the source still holds is in the sink or in the dead-letter buffer.
+   sequence the source still holds is in the sink or in the dead-letter buffer
+   (for a files source: every line of every file landed at the rewind).
 
 Sinks without ``_isb_id`` (aggregates) cannot say which source offsets they
 hold, so they do not lower the low offset. In the replay they are merged on
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -77,6 +82,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from isbflow.connector.files import ID_PREFIX, landed_lines, landing_folder
 from isbflow.isb import ledger, naming, provision
 from isbflow.isb import state as st
 from isbflow.isb.buffers import recreate_partitions, stream_state
@@ -85,7 +91,6 @@ from isbflow.isb.dlq import read_dead_letters
 from isbflow.isb.loss import DetectedLoss, detect_loss, stream_readers
 from isbflow.isb.ranges import intersect
 from isbflow.isb.routed import read_covered
-from isbflow.local.delta import table_history
 from isbflow.recovery import pg_sinks
 from isbflow.recovery.aggregates import recompute_sinks
 from isbflow.recovery.job import (
@@ -94,12 +99,14 @@ from isbflow.recovery.job import (
     RecoveryJob,
     aside_dir,
     dimension_columns,
+    missing_references,
     move_aside,
     prune_aside,
+    references_refusal,
     region_of,
     running_steps,
 )
-from isbflow.sinks.delta import count_rows, open_table, read_ids, sink_version
+from isbflow.sinks.delta import count_rows, merge_stats, read_ids, sink_version
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 from isbflow.spec.paths import DataDir, query_name
@@ -113,6 +120,9 @@ from isbflow.steps.runner import (
 )
 
 log = logging.getLogger(__name__)
+
+#: the partitions of a files source's ids (``files/<name>/<line>``)
+LANDED_PARTITION = re.compile(rf"^{ID_PREFIX}/[^/]+$")
 
 class RecoveryError(Exception):
     """Recovery could not proceed; the message says which phase, what, and what to do."""
@@ -187,26 +197,6 @@ async def drain_steps(nc, p: Pipeline, steps: list[str], timeout: float, poll: f
 # ------------------------------------------------------------------ helpers
 
 
-def _merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
-    """(rows offered, rows inserted) by the merge-mode commits after ``after_version``."""
-    table = open_table(path)
-    if table is None:
-        return 0, 0
-    history = table_history(table)
-    offered = inserted = 0
-    for h in history:
-        if after_version is not None and h["version"] <= after_version:
-            continue
-        if h.get("isb.operation") != "merge_insert_missing":
-            continue
-        metrics = h.get("operationMetrics") or {}
-        rows = int(h.get("isb.rows", metrics.get("num_source_rows", 0)))
-        offered += rows
-        # a merge into a new table is a plain write of every row
-        inserted += int(metrics.get("num_target_rows_inserted", metrics.get("num_added_rows", rows)))
-    return offered, inserted
-
-
 # ------------------------------------------------------------------ recover
 
 
@@ -262,6 +252,7 @@ class _Recovery:
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
         self.part_stream: dict[str, str] = {}
+        self.landed: dict[str, int] = {}  # a files source's files (files/<name>) -> their lines, at the rewind
         self.lows: dict[str, ledger.LowOffset] = {}
         self.before: dict[str, int | None] = {}
 
@@ -283,6 +274,9 @@ class _Recovery:
         self.sources, region = region_of(p, {b.stream for b in self.report.lost})
         self.order = [v for v in p.topological_order() if v in region]
         self.report.region = self.order
+        missing = job.run(missing_references(job.nc, p, self.order))
+        if missing:  # refused before anything changes
+            raise RecoveryError(references_refusal("recover", p, missing))
         return True
 
     def drain(self, timeout: float) -> None:
@@ -312,13 +306,19 @@ class _Recovery:
                 job.run(st.put_committed(job.nc, p.name, ep.to_vertex, {ep.stream: 0}))
         job.phase("recreate", "done", t, recreated=deleted, created=created)
 
+    def _id_ranges(self, ids) -> ledger.PartitionRanges:
+        """Source partition -> ranges of ``ids``: streams' sequences, and files' lines when a files
+        source is in the region."""
+        out = ledger.id_ranges(ids)
+        return {**out, **ledger.id_ranges(ids, partition=LANDED_PARTITION)} if self.landed else out
+
     def dead_letters(self) -> ledger.PartitionRanges:
         """Source partition -> ranges of its sequences in the dead-letter buffer."""
         out: ledger.PartitionRanges = {}
         for src in sorted(self.sources):
             letters = self.job.run(read_dead_letters(self.settings, self.p.name, src, limit=10_000_000))
             ids = pa.array([d.get("origin") for d in letters], pa.string())
-            out = ledger.union(out, ledger.id_ranges(ids))
+            out = ledger.union(out, self._id_ranges(ids))
         return out
 
     def rewind(self) -> None:
@@ -346,7 +346,9 @@ class _Recovery:
                 for v in self.id_sinks}
         dead = self.dead_letters()
         for src in sorted(self.sources):
-            if p.vertex(src).source.jetstream is None:  # files: read again from their folder
+            files = p.vertex(src).source.files
+            if files is not None:  # read again from their folder: the sinks are checked against its files
+                self.landed.update(landed_lines(landing_folder(files.path, data_dir), files.pattern))
                 continue
             stream = naming.source_stream(p, src)
             part = f"{src}/0"
@@ -420,7 +422,7 @@ class _Recovery:
         for v in self.sink_vertices:
             pg = self.pg.get(v)
             offered, inserted = (pg_sinks.merge_stats(pg, self.before[v]) if pg
-                                 else _merge_stats(self.paths[v], self.before[v]))
+                                 else merge_stats(self.paths[v], self.before[v]))
             if v not in self.id_sinks:
                 rows = pg_sinks.count_rows(pg) if pg else count_rows(self.paths[v])
                 self.report.sinks.append(SinkCheck(v, False, rows=rows, dropped=offered - inserted,
@@ -429,11 +431,13 @@ class _Recovery:
             ids = pg_sinks.ids(pg) if pg else read_ids(self.paths[v])[0]
             check = SinkCheck(v, True, rows=len(ids), duplicates=len(ids) - pc.count_distinct(ids).as_py(),
                               dropped=offered - inserted, inserted=inserted)
-            present = ledger.id_ranges(ids) if len(ids) else {}
+            present = self._id_ranges(ids) if len(ids) else {}
             # a sink fed through conditions.tags holds a subset: only duplicates can be judged by ids
-            for part in [] if self.p.filtered(v) else self.part_stream:
+            wants = {**{part: (self.first[part], self.last[part]) for part in self.part_stream},
+                     **{part: (1, lines) for part, lines in self.landed.items()}}
+            for part, (first, last) in [] if self.p.filtered(v) else wants.items():
                 covered = ledger.normalize([*present.get(part, []), *dead.get(part, [])])
-                want = [[self.first[part], self.last[part]]] if self.last[part] >= self.first[part] else []
+                want = [[first, last]] if last >= first else []
                 check.missing += ledger.count(want) - ledger.count(intersect(covered, want))
             self.report.sinks.append(check)
         self.job.phase("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,

@@ -8,7 +8,8 @@ reads or commits, and returns plain values.
 
 - reads: :func:`open_table`, :func:`sink_version`, :func:`read_sink`,
   :func:`read_ids` (a column, by default ``_isb_id``, and the version it was
-  read at), :func:`count_rows`, :func:`check_schema`;
+  read at), :func:`count_rows`, :func:`check_schema`, :func:`merge_stats` (what the merge commits
+  after a version offered and inserted);
 - rewrites, each ONE Delta commit: :func:`merge_insert_missing` (insert rows
   whose key is absent: recovery replays and the sink's ``mode=merge``),
   :func:`merge_upsert` (replace or insert on a key: the sink's ``mode=upsert``
@@ -35,7 +36,7 @@ from deltalake.exceptions import TableNotFoundError
 from deltalake.transaction import AddAction
 
 from isbflow.isb.ledger import ID_COLUMN
-from isbflow.local.delta import load_table
+from isbflow.local.delta import load_table, table_history
 from isbflow.sinks.delta_files import (
     IDENTIFIER,
     DeltaSchemaMismatch,
@@ -443,3 +444,23 @@ def replace_keys(
     return ReplaceResult(load_table(path).version(), int(metrics.get("num_target_rows_deleted", 0)),
                          int(metrics.get("num_target_rows_updated", 0)),
                          int(metrics.get("num_target_rows_inserted", 0)))
+
+
+def merge_stats(path: str, after_version: int | None) -> tuple[int, int]:
+    """(rows offered, rows inserted) by the merge-mode commits (a recovery's replay) after ``after_version``."""
+    table = open_table(path)
+    if table is None:
+        return 0, 0
+    history = table_history(table)
+    offered = inserted = 0
+    for h in history:
+        if after_version is not None and h["version"] <= after_version:
+            continue
+        if h.get("isb.operation") != "merge_insert_missing":
+            continue
+        metrics = h.get("operationMetrics") or {}
+        rows = int(h.get("isb.rows", metrics.get("num_source_rows", 0)))
+        offered += rows
+        # a merge into a new table is a plain write of every row
+        inserted += int(metrics.get("num_target_rows_inserted", metrics.get("num_added_rows", rows)))
+    return offered, inserted

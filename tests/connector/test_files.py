@@ -16,6 +16,7 @@ from isbflow.connector.files import (
     FilesStreamReader,
     Position,
     land,
+    landed_lines,
     landing_folder,
     read_segment,
 )
@@ -139,6 +140,10 @@ def test_a_symlinked_landing_file_is_never_read(tmp_path):
     # a landed name swapped for a symlink after it was listed fails the task, it never reads the target
     with pytest.raises(FilesSourceError, match="is a symlink"):
         list(read_segment(Seg(str(folder), "0002-link.jsonl", 0, 1)))
+
+    # what recovery checks the sinks against: the landed files' lines, never the link's target
+    (folder / "0003-b.jsonl.tmp").write_text('{"x":2}\n')
+    assert landed_lines(folder, "*.jsonl") == {"files/0001-a.jsonl": 1}
 
 
 def test_a_fifo_in_the_landing_folder_never_blocks_the_source(tmp_path):

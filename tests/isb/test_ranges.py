@@ -52,3 +52,11 @@ def test_one_partition_ids_take_the_fast_path_to_the_same_ranges(seqs):
 
 def test_an_empty_column_has_no_ranges():
     assert id_ranges(pa.array([], pa.string())) == {}
+
+
+def test_a_files_sources_ids_are_read_with_their_own_partition_pattern():
+    ids = pa.array(["files/0001.jsonl/1", "files/0001.jsonl/2", "files/0002.jsonl/7", "in/0/3", None], pa.string())
+    assert id_ranges(ids) == {"in/0": [[3, 3]]}  # a stream's ids only, by default
+    landed = re.compile(r"^files/[^/]+$")
+    assert id_ranges(ids, partition=landed) == {"files/0001.jsonl": [[1, 2]], "files/0002.jsonl": [[7, 7]]}
+    assert id_ranges(ids[:2], partition=landed) == {"files/0001.jsonl": [[1, 2]]}  # the one-partition path
