@@ -394,7 +394,8 @@ class TaskPublisher:
         frames = self.store_frames.pop(buf.partition, [])
         if not frames:
             return
-        writer = self.nc.buffer(buf.ep.stream, capacity=self.capacity)
+        # a partition lost (flushed, deleted) is refused, never made again here: BufferMissing
+        writer = self.nc.buffer(buf.ep.stream, capacity=self.capacity, create_missing=False)
         rows = {f.frame_id: f.rows for f in frames}
         if self.opts.on_full == OnFull.DISCARD_LATEST:
             try:

@@ -53,6 +53,20 @@ class BufferFull(Exception):
                 "step commits and releases them")
 
 
+class BufferMissing(LookupError):
+    """A write to a partition that does not exist: never provisioned, or lost (deleted, flushed,
+    the server restarted empty). The store does not make it again: its readers would take the new
+    partition for the old one and never see what the lost one held."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.stream = stream
+
+    def __str__(self) -> str:
+        return (f"buffer {self.stream} does not exist on the ISB service: provision the pipeline "
+                "('isbflow isb apply'), or recover it after a loss ('isbflow replay --mode recover')")
+
+
 @dataclass(frozen=True)
 class OutFrame:
     """A frame to write: its id (stable across retries), its bytes and its record count."""

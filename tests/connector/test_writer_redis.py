@@ -2,7 +2,8 @@
 JetStream (tests/connector/test_writer.py), through the store's writer role: a re-executed batch
 is stored once, a full partition holds the writer back until the downstream releases
 (retryUntilSuccess) or drops and counts (discardLatest), order is kept, and a record too large
-for a frame goes to the dead-letter buffer."""
+for a frame goes to the dead-letter buffer; a partition that does not exist (lost) is refused,
+never made again by the writer."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import threading
 import time
 
 import pyarrow as pa
+import pytest
 
 from isbflow.connector.writer import PARTITION_COLUMN, JetStreamStreamWriter, WriterOptions
 from isbflow.isb import dlq, frames, naming
 from isbflow.isb.connect import connect
+from isbflow.isb.store import BufferMissing
 from isbflow.spec.models import OnFull
 from tests.helpers.memory_source import memory_rows
 
@@ -70,6 +73,37 @@ def release(settings, stream: str, upto: int) -> int:
             await store.close()
 
     return asyncio.run(go())
+
+
+async def _on_partitions(settings, verb: str, partitions: range = range(2)) -> None:
+    store = await connect(settings)
+    try:
+        for p in partitions:
+            await getattr(store.buffer(ep(p).stream), verb)()
+    finally:
+        await store.close()
+
+
+@pytest.fixture(autouse=True)
+def provisioned(redis_server):
+    """The edge's partitions, made as provisioning makes them (a writer never makes one)."""
+    asyncio.run(_on_partitions(redis_server.settings(), "create"))
+
+
+def test_a_partition_lost_is_refused_and_not_made_again(redis_server):
+    settings = redis_server.settings()
+    asyncio.run(_on_partitions(settings, "delete", range(1, 2)))  # what a flush or a DEL leaves
+    with pytest.raises(BufferMissing, match=ep(1).stream):
+        write_direct(options(settings, partitions=2, frame_rows=1000), rows_table(4_000))
+
+    async def created():
+        store = await connect(settings)
+        try:
+            return await store.buffer(ep(1).stream).created()
+        finally:
+            await store.close()
+
+    assert asyncio.run(created()) is False  # still lost: detected as such, recovered by recover
 
 
 def test_a_reexecuted_batch_is_stored_once_and_another_batch_is_new(redis_server):

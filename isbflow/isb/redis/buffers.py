@@ -12,6 +12,12 @@
 - **Back-pressure**: with a ``capacity``, a frame is refused while the stream holds that many
   entries (entries leave only by release, i.e. once committed downstream):
   :class:`isbflow.isb.store.BufferFull`, after the frames before it were stored.
+- **A partition that does not exist** (never provisioned, or lost: deleted, flushed, restarted
+  empty): a pipeline's writers (``create_missing=False``) are refused with
+  :class:`isbflow.isb.store.BufferMissing`, as JetStream refuses a publish no stream stores, so a
+  writer never makes a lost partition again behind the back of a reader that had not yet read what
+  it held; provisioning and recovery make it (:meth:`RedisBuffer.create`). Other writers (the
+  dead-letter stream) make its incarnation on their first write.
 - **Read** (:meth:`RedisBuffer.read`): ``XRANGE`` of an offset range, at most ``limit`` entries,
   with the incarnation read in the same step; nothing is removed.
 - **Release** (:meth:`RedisBuffer.release`): ``XTRIM MINID`` past ``upto``, the count recorded with
@@ -37,6 +43,7 @@ from isbflow.isb.redis.loss import BufferState, judge
 from isbflow.isb.store import (
     BufferFull,
     BufferInfo,
+    BufferMissing,
     Incarnation,
     Loss,
     OutFrame,
@@ -83,7 +90,7 @@ class RedisBuffer:
     stream may hold before writes are refused (None: unbounded; see :func:`capacity`)."""
 
     def __init__(self, client: Any, stream: str, *, capacity: int | None = None,
-                 dedup_window: float = DEDUP_WINDOW):
+                 dedup_window: float = DEDUP_WINDOW, create_missing: bool = True):
         if capacity is not None and capacity < 1:
             raise ValueError(f"buffer {stream}: capacity {capacity} must be >= 1 (or None: unbounded)")
         self.client = client
@@ -91,6 +98,8 @@ class RedisBuffer:
         self.keys = BufferKeys(stream)
         self.capacity = capacity
         self.dedup_window = dedup_window
+        #: a write makes the incarnation when there is none; False (a pipeline's writers): it is refused
+        self.create_missing = create_missing
 
     # -- create / delete (the admin's)
     async def create(self) -> str:
@@ -116,12 +125,14 @@ class RedisBuffer:
             while end < len(frames) and end - start < CALL_FRAMES and size + len(frames[end].payload) <= CALL_BYTES:
                 size += len(frames[end].payload)
                 end += 1
-            args: list[Any] = [secrets.token_hex(8), self.capacity or 0]
+            args: list[Any] = [secrets.token_hex(8) if self.create_missing else "", self.capacity or 0]
             for f in frames[start:end]:
                 args += [f.frame_id, f.rows, f.payload]
             replies = await scripts.run(self.client, scripts.WRITE, self.keys.all, args)
             for f, reply in zip(frames[start:end], replies, strict=False):
                 r = _text(reply)
+                if r == "missing":
+                    raise BufferMissing(self.stream)
                 if r == "full":
                     raise BufferFull(self.stream, self.capacity or 0, stored=out)
                 out.append(Written(f.frame_id, None, True) if r == "dup"

@@ -36,14 +36,20 @@ local function ensure_incarnation(new_id)
 end
 """
 
-#: KEYS stream, ids, inc. ARGV: new incarnation id, capacity (0: none), then (frame id, rows, payload)
+#: KEYS stream, ids, inc. ARGV: new incarnation id ('' = the partition must have one: a partition
+#: never provisioned or lost is not made again behind its readers' backs, the reply is ``missing``),
+#: capacity (0: none), then (frame id, rows, payload)
 #: per frame. Returns one reply per frame in order: the entry id (``0-<offset>``), ``dup`` (the id is
 #: recorded), or a last ``full`` (refused at capacity; the frames after it are not tried). Entries
 #: are appended with ``0-*`` (consecutive offsets from 1) and stamped with the write time ``t``: the
 #: server's clock, never below the last write's (``wrote_at``), so write times follow offsets even
 #: when the clock steps back; the dedup index scores each id with it (see :data:`RELEASE`).
 WRITE = _COMMON + """
-ensure_incarnation(ARGV[1])
+if ARGV[1] ~= '' then
+  ensure_incarnation(ARGV[1])
+elseif redis.call('EXISTS', KEYS[3]) == 0 then
+  return {'missing'}
+end
 local cap = tonumber(ARGV[2])
 local len = redis.call('XLEN', KEYS[1])
 local t = int(math.max(now_ms(), tonumber(redis.call('HGET', KEYS[3], 'wrote_at')) or 0))

@@ -44,7 +44,7 @@ class RedisStore:
 
     def buffer(self, stream: str, **kw: Any) -> RedisBuffer:
         """Partition ``stream``; ``kw`` as :class:`isbflow.isb.redis.buffers.RedisBuffer` takes them
-        (``capacity``, ``dedup_window``)."""
+        (``capacity``, ``dedup_window``, ``create_missing``)."""
         return RedisBuffer(self.client, stream, **kw)
 
     def dead_letters(self) -> RedisDeadLetters:
