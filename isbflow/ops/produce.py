@@ -427,17 +427,20 @@ async def _produce_to_store(store: Any, settings: Any, pipeline: Pipeline, name:
                             seed: int, start: int, count: int, malformed_every: int | None, shift_ms: int,
                             bucket: TokenBucket | None, progress: Callable[[int], None] | None) -> ProduceReport:
     """:func:`produce` on a store with a writer role (Redis): each event one entry under its id
-    ``<seed>-<index>`` (stored once however often it is written), in calls of :data:`STORE_WRITE_EVENTS`;
-    a full source waits (back-pressure) until the source step has committed and released."""
+    ``<seed>-<index>`` (stored once however often it is written), in calls of :data:`STORE_WRITE_EVENTS`,
+    or under a ``bucket`` of its burst at most (the rate's tokens taken a call at a time: a call of
+    more than the burst would go out unthrottled); a full source waits (back-pressure) until the
+    source step has committed and released."""
     writer = store.buffer(stream)
+    chunk = STORE_WRITE_EVENTS if bucket is None else max(1, min(STORE_WRITE_EVENTS, int(bucket.burst)))
     if not await writer.created():  # the producer's user may not read the stream's state, only ask this
         raise SourceNotProvisioned(
             f"the source stream {stream} of {pipeline.name}/{name} does not exist on {settings.display}: "
             "create it with 'isbflow isb apply -f <spec>'")
     published = duplicates = 0
     t0 = time.perf_counter()
-    for lo in range(start, start + count, STORE_WRITE_EVENTS):
-        hi = min(lo + STORE_WRITE_EVENTS, start + count)
+    for lo in range(start, start + count, chunk):
+        hi = min(lo + chunk, start + count)
         if bucket is not None:
             await bucket.take(hi - lo)
         written = await write_until_stored(writer, [OutFrame(msg_id(seed, i), payload(seed, i, malformed_every, shift_ms), 1)

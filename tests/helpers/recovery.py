@@ -81,6 +81,35 @@ def malformed_seqs(start_seq: int, start: int, count: int, every: int | None) ->
     return {start_seq + i - start for i in range(start, start + count) if is_malformed(i, every)}
 
 
+class Producer(threading.Thread):
+    """Publishes events ``start, start+1, ...`` at ``rate`` (one :func:`publish` of ``rate`` events
+    a second, every ``malformed_every``-th malformed) until :meth:`stop`; ``published`` counts what
+    it published (the whole chunk that runs when stopped included), ``error`` what made it fail."""
+
+    def __init__(self, settings: NatsSettings, p: Pipeline, start: int, rate: int, malformed_every: int | None = None):
+        super().__init__(daemon=True)
+        self.settings, self.p, self.start_at, self.rate, self.every = settings, p, start, rate, malformed_every
+        self.published = 0
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                publish(self.settings, self.p, self.rate, start=self.start_at + self.published,
+                        malformed_every=self.every, rate=self.rate)
+                self.published += self.rate
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            self.error = e
+
+    def stop(self, timeout: float) -> int:
+        self.stopped.set()
+        self.join(timeout)
+        assert not self.is_alive(), "the producer did not stop"
+        assert self.error is None, f"the producer failed: {self.error!r}"
+        return self.published
+
+
 # ----------------------------------------------------------------------------- small tools
 
 
