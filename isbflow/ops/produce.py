@@ -431,7 +431,7 @@ async def _produce_to_store(store: Any, settings: Any, pipeline: Pipeline, name:
     or under a ``bucket`` of its burst at most (the rate's tokens taken a call at a time: a call of
     more than the burst would go out unthrottled); a full source waits (back-pressure) until the
     source step has committed and released."""
-    writer = store.buffer(stream)
+    writer = store.buffer(stream, create_missing=False)  # a lost source stream is refused, never made again
     chunk = STORE_WRITE_EVENTS if bucket is None else max(1, min(STORE_WRITE_EVENTS, int(bucket.burst)))
     if not await writer.created():  # the producer's user may not read the stream's state, only ask this
         raise SourceNotProvisioned(
