@@ -715,6 +715,75 @@ def test_real_api_server_mounts_the_plugin_behind_its_auth(site, tmp_path):
         log.close()
 
 
+
+REDIS_SPEC = """\
+apiVersion: isbflow.io/v1alpha1
+kind: InterStepBufferService
+metadata: {name: redis}
+spec:
+  redis:
+    native: {persistence: true}
+---
+apiVersion: isbflow.io/v1alpha1
+kind: Pipeline
+metadata: {name: rdemo}
+spec:
+  interStepBufferServiceName: redis
+  vertices:
+    - name: in
+      source:
+        jetstream: {subject: rdemo.events}
+        schema: "service STRING, n INT"
+    - name: raw
+      sink:
+        delta: {path: sinks/rdemo/raw}
+  edges:
+    - {from: in, to: raw}
+"""
+
+
+def test_a_pipeline_on_redis_buffers_shows_on_the_pipelines_page(ui, site):
+    """The page reads a Redis pipeline's status the same way: the service's native redis-server in
+    the data dir, its steps' heartbeats and the edge's lag, from the Redis store."""
+    from isbflow.isb.redis import server as redis_server
+    from isbflow.ops import isb as ops_isb
+    from tests.helpers.redis_server import RedisHandle
+
+    spec = site.specs_dir / "zz-redis.yaml"
+    redis_server.start_redis(site.data_dir)
+    try:
+        spec.write_text(REDIS_SPEC)
+        admin = RedisHandle(site.data_dir, "aof").settings()
+        specs = load_specs([spec])
+        ops_isb.apply(admin, specs, "rdemo", data_dir=site.data_dir)
+        edge = naming.EdgePartition("rdemo", "in", "raw", 0).stream
+
+        async def heartbeats() -> None:
+            store = await connect(admin)
+            try:
+                await st.put_status(store, "rdemo", st.StepStatus("in", state=st.Observed.RUNNING, batch_id=3))
+                await st.put_status(store, "rdemo", st.StepStatus("raw", state=st.Observed.RUNNING, batch_id=2,
+                                                                  lag={edge: 5}))
+            finally:
+                await store.close()
+
+        asyncio.run(heartbeats())
+        data = ui.get("/isbflow/api/pipelines?pipeline=rdemo").json()
+        (view,) = data["pipelines"]
+        assert (view["file"], view["name"], view["nats_error"]) == ("zz-redis.yaml", "rdemo", None), view
+        steps = {s["vertex"]: s for s in view["steps"]}
+        assert {v: (s["state"], s["stale"]) for v, s in steps.items()} == {
+            "in": ("running", False), "raw": ("running", False)}
+        assert steps["raw"]["lag_total"] == 5
+        html = ui.get("/isbflow/pipelines?pipeline=rdemo").text
+        one(html, "data-pipeline", "rdemo", tag="section")
+        rows = {a["data-step"]: a["data-state"] for _, a, _ in find(html, "data-step", tag="tr")}
+        assert rows == {"in": "running", "raw": "running"}
+    finally:
+        spec.unlink(missing_ok=True)
+        redis_server.stop_redis(site.data_dir)
+
+
 # ------------------------------------------------------------------ the child process
 
 
