@@ -71,11 +71,10 @@ def _apply_redis(settings: RedisSettings, grants: PipelineGrant, data_dir: Path 
     # lazy: JetStream-only commands never import redis-py
     from isbflow.isb.redis.provision import RedisProvisionRefused
     from isbflow.isb.redis.provision import apply as redis_apply
-    from isbflow.isb.redis.server import read_state as read_redis_state
+    from isbflow.isb.redis.server import serving
 
     own = data_dir or default_data_dir()
-    state = read_redis_state(own)
-    embedded = state is not None and settings.url.startswith(f"redis://127.0.0.1:{state.port}")
+    embedded = serving(own, settings.url) is not None
 
     async def go() -> list:
         store = await connect(settings, name="isbflow-provision")
@@ -117,10 +116,10 @@ def role_settings(settings: IsbSettings, data_dir: Path, user: str) -> IsbSettin
     if isinstance(settings, RedisSettings):
         # lazy: JetStream-only commands never import redis-py
         from isbflow.isb.redis.acl import password_file
-        from isbflow.isb.redis.server import read_state as read_redis_state
+        from isbflow.isb.redis.server import serving
 
-        rstate, rpw = read_redis_state(data_dir), password_file(data_dir, user)
-        if rstate is None or not settings.url.startswith(f"redis://127.0.0.1:{rstate.port}") or not rpw.exists():
+        rpw = password_file(data_dir, user)
+        if serving(data_dir, settings.url) is None or not rpw.exists():
             return settings
         return replace(settings, user=user, password=rpw.read_text().strip())
     state = read_state(data_dir)
@@ -182,10 +181,9 @@ async def _redis_status(settings: RedisSettings, specs: Specs, pipeline: str | N
 async def _redis_delete(settings: RedisSettings, specs: Specs, pipeline: str | None, data_dir: Path) -> list[str]:
     # lazy: JetStream-only commands never import redis-py
     from isbflow.isb.redis.provision import delete as redis_delete
-    from isbflow.isb.redis.server import read_state as read_redis_state
+    from isbflow.isb.redis.server import serving
 
-    state = read_redis_state(data_dir)
-    embedded = state is not None and settings.url.startswith(f"redis://127.0.0.1:{state.port}")
+    embedded = serving(data_dir, settings.url) is not None
     store = await connect(settings, name="isbflow-isb-delete")
     try:
         out = []

@@ -29,6 +29,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 from redis.exceptions import BusyLoadingError, ConnectionError, ResponseError
@@ -108,6 +109,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def serving(data_dir: Path | str, url: str) -> RedisServerState | None:
+    """The redis-server recorded under ``data_dir`` when ``url`` is its address (the embedded
+    server, whose users and grants isbflow keeps there), else None (an external server)."""
+    state = read_state(data_dir)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    return state if state is not None and (parts.scheme, parts.hostname, port) == ("redis", HOST, state.port) else None
 
 
 def read_state(data_dir: Path | str) -> RedisServerState | None:

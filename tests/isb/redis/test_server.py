@@ -86,3 +86,19 @@ def test_fsync_always_is_written_into_the_config(tmp_path):
     conf = server.server_config(tmp_path, 6380, "pw", "aof", "always")
     assert "appendonly yes" in conf and "appendfsync always" in conf
     assert "appendonly no" in server.server_config(tmp_path, 6380, "pw", "none")
+
+
+def test_serving_tells_the_embedded_server_by_its_address_not_a_prefix_of_it(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    assert server.serving(tmp_path, "redis://127.0.0.1:6379/0") is None  # nothing recorded
+    rdir = server.redis_dir(tmp_path)
+    rdir.mkdir(parents=True)
+    state = server.RedisServerState(str(tmp_path), pid=1, port=6379, config="c", log="l", persistence="aof")
+    (rdir / server.STATE_FILE).write_text(json.dumps(asdict(state)))
+    assert server.serving(tmp_path, "redis://127.0.0.1:6379/0") == state
+    assert server.serving(tmp_path, "redis://127.0.0.1:6379") == state
+    for other in ("redis://127.0.0.1:63790/0", "redis://127.0.0.2:6379/0", "rediss://127.0.0.1:6379/0",
+                  "redis://10.0.0.5:6379", "redis://127.0.0.1:notaport"):
+        assert server.serving(tmp_path, other) is None, other
