@@ -28,6 +28,7 @@ from isbflow.isb import wait as js_wait
 from isbflow.isb.connect import IsbSettings, close_loop, connect
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.read import Message, StreamState
+from isbflow.isb.store import incarnation_gone
 
 __all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_partition", "read_range", "recreate_partitions", "release",
            "stream_state", "wait_for_append"]
@@ -132,11 +133,9 @@ def read_partition(settings: IsbSettings, stream: str, incarnation: str, first: 
             store = of(conn)
 
             def same(before: bool) -> bool:
-                st = loop.run_until_complete(store.state(stream))
-                if st is not None and st.incarnation == incarnation:
+                reason = incarnation_gone(loop.run_until_complete(store.state(stream)), incarnation)
+                if reason is None:
                     return True
-                reason = ("the stream no longer exists" if st is None else
-                          f"the stream was recreated (incarnation {incarnation} is gone, now {st.incarnation})")
                 if on_recreated is None or not before:
                     raise BufferLost(stream, first, last, reason)
                 on_recreated(reason)

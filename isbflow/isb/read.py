@@ -58,7 +58,7 @@ from isbflow.isb.connect import NatsSettings, close_loop, connect, dropped_messa
 from isbflow.isb.errors import BufferLost, BufferReadError
 from isbflow.isb.raw import deliver_raw, no_cyclic_gc, parse_headers, status_line
 from isbflow.isb.roles import is_role_user
-from isbflow.isb.store import Message, StreamState
+from isbflow.isb.store import Message, StreamState, incarnation_gone
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -443,12 +443,7 @@ def read_partition(
         try:
             def check(before: bool) -> StreamState | None:
                 st = loop.run_until_complete(stream_state(nc, stream))
-                reason = None
-                if st is None:
-                    reason = "the stream no longer exists"
-                elif st.incarnation != incarnation:
-                    reason = (f"the stream was recreated (incarnation {incarnation} is gone, "
-                              f"now {st.incarnation})")
+                reason = incarnation_gone(st, incarnation)
                 if reason is None:
                     return st
                 if on_recreated is None or not before:

@@ -123,6 +123,16 @@ class StreamState:
     allow_direct: bool
 
 
+def incarnation_gone(st: StreamState | None, incarnation: str) -> str | None:
+    """Why a partition read as ``incarnation`` is lost (its state now ``st``: None when it no longer
+    exists), or None when it still is that incarnation."""
+    if st is None:
+        return "the stream no longer exists"
+    if st.incarnation != incarnation:
+        return f"the stream was recreated (incarnation {incarnation} is gone, now {st.incarnation})"
+    return None
+
+
 #: One message as read: (offset, payload, headers, store time). JetStream: the time is the
 #: ``Nats-Time-Stamp`` string (RFC 3339, ns) on the direct-get path and integer nanoseconds since
 #: the epoch on the consumer path (one chunk holds one kind); Redis: integer milliseconds, and the
