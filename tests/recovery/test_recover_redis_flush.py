@@ -1,15 +1,19 @@
-"""A Redis that loses everything, recovered (real redis-server, real SparkSession): a pipeline
-whose buffers are Redis Streams and whose source is outside Redis (landed files,
-tests/specs/flush-redis.yaml) runs; the redis-server, started without persistence, restarts and
-comes back empty (what a FLUSHALL or a failover to an empty replica leaves too): every buffer,
-the ledger's keys, the steps' statuses, the dead letters and the reference table are gone. The
-loss is detected on every partition the steps had read, the watchdog turns red, recovery refuses
-to replay through a step whose reference table is gone (naming it), and once the table is put
-again a partition lost as the replay begins stops it, naming that partition (the writer into it is
-refused, as on JetStream, instead of making it again); the next `recover` rebuilds what the sinks hold from their own Delta history, replays the landed
-files into new partitions, and every sink ends exact (the raw sink holds each well-formed line
-once, the malformed ones are dead letters again, the aggregates equal a batch recount), with a
-file landed during the outage read too. Numaflow's Redis buffer stalls here."""
+"""Loss on Redis buffers, recovered (real redis-server, real SparkSession), for a pipeline whose
+source is outside Redis (landed files, tests/specs/flush-redis.yaml):
+
+- a partition is deleted while the pipeline drains: the step writing into it (refused, as on
+  JetStream, instead of making it again) or the one reading it fails, the drain stops, and
+  `recover` (which drains what still runs) makes the raw sink exact;
+- the redis-server, started without persistence, restarts and comes back empty (what a FLUSHALL
+  or a failover to an empty replica leaves too): every buffer, the ledger's keys, the steps'
+  statuses, the dead letters and the reference table are gone. The loss is detected on every
+  partition, the watchdog turns red, and recovery refuses to replay through a step whose
+  reference table is gone (naming it; the dry run says so too);
+- once the table is put again, a partition lost as the replay begins stops `recover`, naming it;
+  the next `recover` takes what the sinks hold from their own Delta history, replays the landed
+  files into new partitions, and every sink ends exact: each well-formed line once in the raw
+  sink (a file landed during the outage too), the malformed ones dead letters again, the
+  aggregates a batch recount. Numaflow's Redis buffer stalls here."""
 
 from __future__ import annotations
 
@@ -32,8 +36,9 @@ from isbflow.recovery.plan import plan_recover
 from isbflow.recovery.recover import RecoveryError, recover
 from isbflow.recovery.watchdog import watch
 from isbflow.spec import load_specs
+from isbflow.steps.drain import DrainTimeout, drain_pipeline
 from tests.conftest import ROOT
-from tests.helpers.recovery import run_available_now
+from tests.helpers.recovery import ContinuousRun, wait_for
 from tests.helpers.redis_server import running_redis
 from tests.steps.test_runner import check_agg_is_batch_recount
 
@@ -63,7 +68,7 @@ def raw_ids(data_dir) -> list[str]:
     return DeltaTable(str(data_dir / "sinks/landed/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
 
 
-def test_a_redis_restarted_empty_is_recovered_from_the_landed_files(spark, tmp_path):
+def test_loss_while_draining_then_a_redis_restarted_empty_then_loss_while_recovering(spark, tmp_path):
     specs = load_specs(SPEC)
     p = specs.only_pipeline()
     services = json.loads((ROOT / "pipelines" / "reference" / "services.json").read_text())
@@ -72,9 +77,37 @@ def test_a_redis_restarted_empty_is_recovered_from_the_landed_files(spark, tmp_p
         admin = redis_server.settings()
         ops_isb.apply(admin, specs, p.name, data_dir=redis_server.data_dir)
         asyncio.run(reference.put(admin, p.name, "services", services))
-        want = land_file(data_dir, 0) | land_file(data_dir, 1)
+        want = land_file(data_dir, 0)
         user = ops_isb.role_settings(admin, redis_server.data_dir, pipeline_user(p.name))
-        run_available_now(spark, specs, p, user, data_dir)
+        lost_draining = naming.EdgePartition(p.name, "enrich", "raw", 0).stream
+
+        async def drain_losing_a_partition():
+            """Drain; at its first look (file 1 just landed, upstream of raw) enrich -> raw is deleted."""
+            store = await connect(admin)
+            deleted: list[asyncio.Future] = []
+
+            def on_update(statuses) -> None:
+                if not deleted:
+                    deleted.append(asyncio.ensure_future(store.buffer(lost_draining).delete()))
+
+            try:
+                with pytest.raises(DrainTimeout) as e:
+                    await drain_pipeline(store, p, timeout=300, on_update=on_update)
+                await asyncio.gather(*deleted)
+                return e.value
+            finally:
+                await store.close()
+
+        with ContinuousRun(spark, specs, p, user, data_dir) as run:  # each step its own runner
+            wait_for(lambda: "error" in run.result or (data_dir / "sinks/landed/raw/_delta_log").is_dir(), 300,
+                     "the raw sink's first commit")
+            want |= land_file(data_dir, 1)
+            stopped = asyncio.run(drain_losing_a_partition())
+            # the step writing into the lost partition (or the one reading it) failed: the drain stopped
+            assert stopped.vertex in ("enrich", "raw") and "failed" in str(stopped), str(stopped)
+            report = recover(spark, specs, p, admin, data_dir, pipelined=False)  # drains what still runs
+            run.join(120)
+        assert report.ok and [b.stream for b in report.lost] == [lost_draining], report.to_json()
         ids = raw_ids(data_dir)
         assert len(ids) == len(set(ids)) and set(ids) == want
 
