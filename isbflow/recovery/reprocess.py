@@ -81,6 +81,7 @@ from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings
 from isbflow.isb.errors import LedgerFull
 from isbflow.local.delta import load_table
+from isbflow.local.delta_arrow import arrow_table
 from isbflow.recovery.job import Phase, RecoveryJob, downstream, running_steps
 from isbflow.recovery.reprocess_plan import (
     OFFSET_FORMS,
@@ -377,7 +378,7 @@ class ReprocessRun:
         for a, plan in self.plans.items():
             res = self.results[a]
             if res.error is None:
-                keys = load_table(res.path).to_pyarrow_table(columns=plan.keys)
+                keys = arrow_table(load_table(res.path), columns=plan.keys)
                 res.duplicates = keys.num_rows - keys.group_by(plan.keys, use_threads=False).aggregate([]).num_rows
         self.job.phase("verify", "done" if all(s.ok for s in self.report.sinks) else "failed", t,
                        sinks=[asdict(s) for s in self.report.sinks])

@@ -40,6 +40,7 @@ from isbflow.isb import ledger
 from isbflow.isb import state as st
 from isbflow.isb.connect import NatsSettings
 from isbflow.local.delta import load_table
+from isbflow.local.delta_arrow import arrow_table
 from isbflow.recovery.job import Phase, RecoveryJob, running_steps
 from isbflow.recovery.reprocess import STATUS_KEY, ReprocessReport, ReprocessRun, SinkReplace
 from isbflow.recovery.reprocess_plan import ReprocessError, Source, in_ranges
@@ -73,7 +74,7 @@ def suite_refusals(rec: ShadowRun) -> list[str]:
 
 
 def _range_rows(path: str, rng: dict, version: int | None = None) -> pa.Table:
-    t = load_table(path, version=version).to_pyarrow_table()
+    t = arrow_table(load_table(path, version=version))
     return t.filter(pa.array(in_ranges(t.column(ledger.ID_COLUMN), rng)))
 
 

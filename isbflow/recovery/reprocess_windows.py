@@ -36,6 +36,7 @@ from pyspark.sql import functions as F
 
 from isbflow.isb import ledger
 from isbflow.local.delta import load_table
+from isbflow.local.delta_arrow import arrow_table
 from isbflow.recovery.aggregates import apply_chain, filter_range, recompute
 from isbflow.recovery.job import dimension_columns
 from isbflow.recovery.reprocess_plan import RangeError, ReprocessError, Source, event_time_column
@@ -127,7 +128,7 @@ def emitted_only(plan: AggPlan, path: str, windows: pa.Table) -> tuple[pa.Table,
     """Of ``windows``, those an append-mode aggregate sink holds, and a note on those left out: the
     others are still open in the streaming step, which emits them once the watermark passes (writing
     them now would double them)."""
-    held = load_table(path).to_pyarrow_table(columns=["window_start"]).column("window_start")
+    held = arrow_table(load_table(path), columns=["window_start"]).column("window_start")
     held = pc.unique(held.cast(windows.schema.field("window_start").type).combine_chunks())
     kept = windows.filter(pc.is_in(windows.column("window_start"), value_set=held))
     if kept.num_rows == windows.num_rows:

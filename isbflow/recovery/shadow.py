@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, write_deltalake
 
 from isbflow.isb import ledger
+from isbflow.local.delta_arrow import arrow_table
 from isbflow.recovery.reprocess_plan import ReprocessError, in_ranges
 from isbflow.recovery.reprocess_report import SinkReplace
 from isbflow.recovery.reprocess_windows import distinct_windows, windows_of
@@ -217,7 +218,7 @@ def _shadow_raw(r: Any, v: str, target: str) -> tuple[SinkReplace, ShadowSink]:
     if dt is None:
         raise ReprocessError(f"sink {v}: no Delta table at {live} (has the sink committed a batch?)")
     version = dt.version()
-    table = dt.to_pyarrow_table()
+    table = arrow_table(dt)
     mask = pa.array(in_ranges(table.column(ledger.ID_COLUMN), rng))
     old, kept = table.filter(mask), table.filter(pc.invert(mask))
     names = table.column_names

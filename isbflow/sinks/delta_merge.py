@@ -37,6 +37,7 @@ from deltalake.transaction import AddAction
 
 from isbflow.isb.ledger import ID_COLUMN
 from isbflow.local.delta import load_table, table_history
+from isbflow.local.delta_arrow import arrow_dataset, arrow_table
 from isbflow.sinks.delta_files import (
     IDENTIFIER,
     DeltaSchemaMismatch,
@@ -71,7 +72,7 @@ def read_sink(path: str) -> pa.Table:
     table = open_table(path)
     if table is None:
         raise DeltaSinkError(f"no Delta table at {path}; has the sink committed a batch yet?")
-    return table.to_pyarrow_table()
+    return arrow_table(table)
 
 
 def read_ids(path: str, column: str = ID_COLUMN) -> tuple[pa.Array, int | None]:
@@ -82,13 +83,13 @@ def read_ids(path: str, column: str = ID_COLUMN) -> tuple[pa.Array, int | None]:
     table = open_table(path)
     if table is None:
         return pa.array([], pa.string()), None
-    return table.to_pyarrow_table(columns=[column]).column(column).combine_chunks(), table.version()
+    return arrow_table(table, columns=[column]).column(column).combine_chunks(), table.version()
 
 
 def count_rows(path: str) -> int:
     """The rows of the table's current version (0 without a table); reads no data, only metadata."""
     table = open_table(path)
-    return table.to_pyarrow_dataset().count_rows() if table else 0
+    return arrow_dataset(table).count_rows() if table else 0
 
 
 def check_schema(table: DeltaTable, schema: pa.Schema, where: str) -> None:
@@ -409,7 +410,7 @@ def replace_keys(
     rows = rows.select(names)
     rows = rows.cast(delta_arrow_schema(rows.schema))
     check_schema(delta, rows.schema, f"replace keys in {path}")
-    target = delta.to_pyarrow_dataset().schema
+    target = arrow_dataset(delta).schema
     nullable = pa.schema([f.with_nullable(True) for f in target])
     old = _distinct_keys(old_keys.select(keys).cast(pa.schema([nullable.field(k) for k in keys])), keys)
     if len(keys) == 1:

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from isbflow.isb import ledger
+from isbflow.local.delta_arrow import arrow_dataset
 from isbflow.sinks.delta_files import delta_arrow_schema
 from isbflow.sinks.delta_merge import open_table
 from isbflow.sinks.pg_write import ident, table_columns
@@ -113,7 +114,7 @@ class DeltaFallback:
         done = self._done(table)
         if done is None or done < batch_id:
             return None
-        data = table.to_pyarrow_dataset()
+        data = arrow_dataset(table)
         if ledger.ID_COLUMN not in data.schema.names:
             return []
         flt = (pc.field(APP_COLUMN) == self.app_id) & (pc.field(BATCH_COLUMN) == batch_id)

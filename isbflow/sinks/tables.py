@@ -14,6 +14,7 @@ from pathlib import Path
 
 from isbflow.isb import ledger
 from isbflow.isb.ledger import ID_COLUMN
+from isbflow.local.delta_arrow import arrow_dataset
 from isbflow.sinks.pg_read import read_snapshot
 from isbflow.sinks.pg_write import PostgresTableMissing
 from isbflow.sinks.postgres import PostgresSinkError, PostgresTarget
@@ -73,7 +74,7 @@ def fallback_offsets(pipeline: Pipeline, sink: str, data_dir: str | Path) -> tup
             table = load_table(str(path if path.is_absolute() else Path(data_dir).absolute() / path))
         except TableNotFoundError:
             return {}, 0
-        dataset = table.to_pyarrow_dataset()
+        dataset = arrow_dataset(table)
         if ID_COLUMN not in dataset.schema.names:
             return {}, 0
         rows = dataset.to_table(columns=[ID_COLUMN])
