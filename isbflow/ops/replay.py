@@ -22,7 +22,6 @@ from typing import Any
 
 from isbflow.isb.connect import IsbUnreachable as Unreachable
 from isbflow.isb.connect import NatsSettings
-from isbflow.ops.isb_service import NotRunnable, require_jetstream
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
@@ -40,13 +39,6 @@ class ReplayError(Exception):
         self.usage = usage
 
 
-def _jetstream_only(specs: Specs, p: Pipeline, what: str = "reprocessing and shadow runs") -> None:
-    try:
-        require_jetstream(specs.service_for(p), what)
-    except NotRunnable as e:
-        raise ReplayError(str(e)) from None
-
-
 def replay(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: NatsSettings, data_dir: Path, *,
            mode: str, dry_run: bool = False, lost: list[str] | None = None, from_offset: Any = None,
            to_offset: Any = None, from_time: Any = None, to_time: Any = None, time_column: str | None = None,
@@ -60,8 +52,6 @@ def replay(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: Na
     from isbflow.recovery.recover import RecoveryError, recover
     from isbflow.recovery.reprocess import RangeError, ReprocessError, reprocess
 
-    if mode != "recover":  # recovery serves Redis buffers too
-        _jetstream_only(specs, p)
     ranged = any(v is not None and v != "" for v in (from_offset, to_offset, from_time, to_time))
     if mode == "recover":
         if ranged:
@@ -175,7 +165,6 @@ def promote(spark_for: Callable[[], Any], specs: Specs, p: Pipeline, settings: N
     """Promote shadow run ``run`` into the live sinks (one Delta commit per raw sink, then the
     aggregate windows); the report. ReplayError naming why when it is refused (an unknown run:
     ``usage``)."""
-    _jetstream_only(specs, p)
     # lazy: recovery/ loads pyspark and deltalake (seconds); not at `isbflow` start-up or DAG parse
     from isbflow.recovery.reprocess import ReprocessError
     from isbflow.recovery.reprocess_promote import PromoteRefused

@@ -139,6 +139,6 @@ def test_recover_after_a_redis_partition_is_deleted_and_a_flush_is_loss(spark, r
     finally:
         runner.close()
     assert source in str(failed.value)
-    # reprocessing a range (and shadow runs) read JetStream buffers only
-    with pytest.raises(ReplayError, match="reprocessing and shadow runs is not available on Redis buffers yet"):
-        replay(lambda: spark, specs, p, admin, data_dir, mode="reprocess", from_offset="in/0/1")
+    # nor does reprocessing a range: the source stream it would read again is gone with the flush
+    with pytest.raises(ReplayError, match=f"source stream {source} of 'in' does not exist"):
+        replay(lambda: spark, specs, p, admin, data_dir, mode="reprocess", from_offset="in/0:1", to_offset="in/0:100")
