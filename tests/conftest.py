@@ -148,7 +148,8 @@ _LONG = ("live-platform", "tests/recovery/test_faults.py", "tests/airflow/test_d
          "tests/recovery/test_recover.py", "tests/e2e/test_bench_quick.py", "tests/e2e/test_bench_cost.py",
          "tests/recovery/test_reprocess.py", "tests/recovery/test_shadow.py", "tests/steps/test_runner.py",
          "tests/steps/test_postgres_pipeline.py", "tests/test_tutorial.py", "tests/recovery/test_faults_redis.py",
-         "tests/recovery/test_recover_redis.py", "tests/recovery/test_recover_redis_flush.py")
+         "tests/recovery/test_recover_redis.py", "tests/recovery/test_recover_redis_flush.py",
+         "tests/ops/test_zero_redis.py")
 
 
 def unit_of(nodeid: str) -> str:

@@ -48,7 +48,6 @@ from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.state import Desired, Observed, StepStatus, all_status, get_desired, put_status
 from isbflow.local.procs import process_alive, process_start
 from isbflow.ops import pipeline as ops_pipeline
-from isbflow.ops.isb_service import NotRunnable, require_jetstream
 from isbflow.ops.zero_policy import IdleClock, Look, ZeroPolicy, policy
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
@@ -327,10 +326,6 @@ def watch(spec_file: Path, specs: Specs, p: Pipeline, settings: NatsSettings, da
     scale to zero, a drain timed out, the driver died on its own), :class:`WatcherBusy`, and
     :class:`~isbflow.ops.pipeline.IsbUnreachable`.
     """
-    try:
-        require_jetstream(specs.service_for(p), "scale to zero")
-    except NotRunnable as e:
-        raise ZeroError(str(e)) from None
     try:
         rule = policy(p)
     except ValueError as e:

@@ -41,12 +41,12 @@ SPEC = ROOT / "tests" / "specs" / "zero-mini.yaml"
 class Watcher:
     """``isbflow pipeline scale-to-zero --json`` in a subprocess; its decisions read from its output."""
 
-    def __init__(self, data_dir: Path, out: Path):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}  # the embedded server
+    def __init__(self, data_dir: Path, out: Path, spec: Path = SPEC):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "REDIS_"))}  # the embedded server
         self.out = out
         with open(out, "wb") as f:
             self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "isbflow"), "pipeline", "scale-to-zero", "-f", str(SPEC),
+                [str(Path(sys.executable).parent / "isbflow"), "pipeline", "scale-to-zero", "-f", str(spec),
                  "--data-dir", str(data_dir), "--workdir", str(ROOT), "--json"],
                 stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -78,8 +78,8 @@ def commits(folder: Path) -> list[int]:
     return sorted(int(f.name) for f in folder.iterdir() if f.name.isdigit()) if folder.is_dir() else []
 
 
-def sink_ids(data_dir: Path) -> list[str]:
-    return DeltaTable(str(data_dir / "sinks/zero/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
+def sink_ids(data_dir: Path, pipeline: str = "zero") -> list[str]:
+    return DeltaTable(str(data_dir / f"sinks/{pipeline}/raw")).to_pyarrow_table().column("_isb_id").to_pylist()
 
 
 def publish(settings, p, count: int, start: int) -> None:
