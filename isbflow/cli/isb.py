@@ -347,8 +347,8 @@ def up(
     starts nothing for it (exit 2).
 
     Pipelines run on Redis buffers ('isbflow isb apply', 'isbflow pipeline
-    start'), recover from buffer loss, reprocess ranges (shadow runs too) and
-    scale to zero; rescaling is not available on Redis buffers yet.
+    start'), recover from buffer loss, reprocess ranges (shadow runs too),
+    rescale and scale to zero; 'isbflow isb diff' is JetStream's only.
 
     Examples:
 

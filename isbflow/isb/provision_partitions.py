@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
-from isbflow.isb import naming
+from isbflow.isb import control, naming
 from isbflow.isb.provision_plan import holding
 from isbflow.isb.provision_report import ChangeClass, Drift
 from isbflow.isb.provision_resources import Resource
-from isbflow.isb.state import committed_key
+from isbflow.isb.state import committed_key, get_committed
 from isbflow.spec import derived
 from isbflow.spec.fields import MAX_PARTITIONS
 
@@ -72,9 +72,45 @@ async def _names(nc: nats.aio.client.Client, subject: str) -> list[str]:
     return json.loads(reply.data).get("streams") or []
 
 
+def _own_buffers(conn: Any) -> bool:
+    """A store object with its own buffer role (Redis), not a nats-py client."""
+    return callable(getattr(conn, "buffer", None))
+
+
+async def _held_on_store(store: Any, p: Pipeline, vertex: str) -> list[HeldPartition]:
+    """:func:`held_partitions` on a store object: each partition that has an incarnation; unread,
+    what it holds above the sequence the reading vertex committed (every entry when none is)."""
+    out: list[HeldPartition] = []
+    for e in p.inputs(vertex):
+        for i in range(MAX_PARTITIONS):
+            name = derived.edge_stream(p.name, e.from_, vertex, i)
+            info = await store.buffers().state(name)
+            if info is None:
+                continue
+            committed = await get_committed(store, p.name, vertex, name) or 0
+            unread = min(info.messages, max(0, info.last_seq - committed))
+            out.append(HeldPartition(name, e.from_, vertex, i, info.messages, unread, info.last_seq))
+    return out
+
+
+async def _remove_on_store(store: Any, p: Pipeline, vertex: str, streams: list[str]) -> list[str]:
+    """:func:`remove_partitions` on a store object."""
+    status = await control.kv(store, naming.status_bucket(p.name))
+    deleted = []
+    for s in streams:
+        if await store.buffers().state(s) is not None:
+            await store.buffer(s).delete()
+            deleted.append(s)
+        await status.delete(committed_key(vertex, s))
+    return deleted
+
+
 async def held_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str) -> list[HeldPartition]:
     """Every partition stream the server holds for the buffers into ``vertex``, edge by edge in the
-    spec's order, partitions in order (see the module docstring for *unread*)."""
+    spec's order, partitions in order (see the module docstring for *unread*); on a store object
+    (Redis) every partition with an incarnation."""
+    if _own_buffers(nc):
+        return await _held_on_store(nc, p, vertex)
     js = nc.jetstream()
     out: list[HeldPartition] = []
     for e in p.inputs(vertex):
@@ -113,6 +149,8 @@ async def extra_partitions(nc: nats.aio.client.Client, p: Pipeline) -> list[Drif
 async def remove_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str, streams: list[str]) -> list[str]:
     """Delete ``streams`` (partitions of buffers into ``vertex``) and their committed sequences in the
     status bucket; the names deleted (a stream already gone is skipped)."""
+    if _own_buffers(nc):
+        return await _remove_on_store(nc, p, vertex, streams)
     js = nc.jetstream()
     try:
         kv = await js.key_value(naming.status_bucket(p.name))

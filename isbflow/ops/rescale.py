@@ -50,7 +50,6 @@ from isbflow.isb.naming import EdgePartition
 from isbflow.isb.provision_partitions import HeldPartition, held_partitions, remove_partitions
 from isbflow.isb.state import Observed
 from isbflow.ops.isb import grant
-from isbflow.ops.isb_service import NotRunnable, require_jetstream
 from isbflow.ops.pipeline import (
     REFERENCE_DIR,
     DrainTimeout,
@@ -244,10 +243,6 @@ def rescale(spec_file: Path, specs: Specs, p: Pipeline, vertex: str, settings: N
     (nothing changed, unless ``drained``), :class:`DrainTimeout`, :class:`RescaleError`, and
     :class:`IsbUnreachable`.
     """
-    try:
-        require_jetstream(specs.service_for(p), "rescaling")
-    except NotRunnable as e:
-        raise RescaleError(str(e)) from None
     began = time.monotonic()
     n = check_spec(spec_file, p, vertex, partitions)
     held = _held(settings, p, vertex)
@@ -288,7 +283,7 @@ def rescale(spec_file: Path, specs: Specs, p: Pipeline, vertex: str, settings: N
     out.cut = {h.stream: h.last_seq for h in held}
     out.created = _names_to_create(data_dir, p, vertex, held, n)
     try:
-        provision_buffers(settings, specs, p)
+        provision_buffers(settings, specs, p, data_dir=data_dir)  # Redis: its ACL user takes the new partitions
     except PipelineError as e:
         raise RescaleError(f"{e}; nothing was removed") from None
     grant(p, data_dir)

@@ -399,7 +399,7 @@ class RedisService(SpecModel):
 class InterStepBufferServiceSpec(SpecModel):
     redis: RedisService | None = None
     """The buffers in Redis Streams instead of JetStream (``native`` or ``external``); not with
-    ``jetstream``. Rescaling is not available on Redis buffers yet. Default: none (JetStream)."""
+    ``jetstream``. Default: none (JetStream)."""
     jetstream: JetStreamService = Field(default_factory=JetStreamService)
     """The JetStream service; not with ``redis``. Default: the embedded one with default settings."""
 

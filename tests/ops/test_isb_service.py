@@ -116,9 +116,9 @@ def test_an_external_service_starts_nothing(tmp_path, body, where):
 def test_a_verb_that_does_not_serve_redis_is_refused_in_one_line_naming_itself(tmp_path):
     svc = service(tmp_path, "redis:\n  native: {}\n")
     with pytest.raises(IsbUnreachable) as e:  # the CLI's one line for an unusable service
-        isb_service.require_jetstream(svc, "rescaling")
+        isb_service.require_jetstream(svc, "the buffer diff")
     assert isinstance(e.value, isb_service.NotRunnable)
-    assert str(e.value).startswith("rescaling is not available on Redis buffers yet: ISB service 'default'")
+    assert str(e.value).startswith("the buffer diff is not available on Redis buffers yet: ISB service 'default'")
     isb_service.require_jetstream(None, "x")
     isb_service.require_jetstream(service(tmp_path, "jetstream: {}\n"), "x")
     # the settings of a Redis service resolve: its pipelines run there
