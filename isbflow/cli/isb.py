@@ -348,7 +348,7 @@ def up(
 
     Pipelines run on Redis buffers ('isbflow isb apply', 'isbflow pipeline
     start'), recover from buffer loss, reprocess ranges (shadow runs too),
-    rescale and scale to zero; 'isbflow isb diff' is JetStream's only.
+    rescale and scale to zero, as on JetStream.
 
     Examples:
 

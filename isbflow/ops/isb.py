@@ -25,6 +25,7 @@ from isbflow.isb.provision import (
     StreamStatus,
     desired_resources,
 )
+from isbflow.isb.provision_partitions import extra_partitions
 from isbflow.isb.roles import PipelineGrant, pipeline_grants
 from isbflow.isb.server import (
     check_grantable,
@@ -137,6 +138,8 @@ def diff(settings: NatsSettings, specs: Specs, pipeline: str | None = None, *,
 
     With ``data_dir``, the embedded server recorded there is checked for the spec's store limits too.
     """
+    if isinstance(settings, RedisSettings):
+        return asyncio.run(_redis_diff(settings, specs, pipeline))
     _jetstream_only(specs, pipeline, "the buffer diff")
     return asyncio.run(provision.diff(settings, specs, pipeline, data_dir=data_dir))
 
@@ -173,6 +176,25 @@ async def _redis_status(settings: RedisSettings, specs: Specs, pipeline: str | N
                 st = await store.buffers().state(stream)
                 out.append(StreamStatus(stream, "stream", st is not None, **(
                     {"messages": st.messages, "first_seq": st.first_seq, "last_seq": st.last_seq} if st else {})))
+        return out
+    finally:
+        await store.close()
+
+
+async def _redis_diff(settings: RedisSettings, specs: Specs, pipeline: str | None) -> list[Drift]:
+    """:func:`diff` on a Redis store: each stream of the pipelines the store lacks (``isb apply``
+    creates it), and the partitions it holds beyond a vertex's ``partitions`` (a rescale removes
+    them). A Redis stream has no configuration to drift: its limits are the pipeline's spec."""
+    # lazy: JetStream-only commands never import redis-py
+    from isbflow.isb.redis.provision import streams_of
+
+    store = await connect(settings, name="isbflow-isb-diff")
+    try:
+        out: list[Drift] = []
+        for p in _pipelines(specs, pipeline):
+            out += [Drift(s, "stream", "exists", True, False) for s in streams_of(pipeline_grants(p))
+                    if await store.buffers().state(s) is None]
+            out += await extra_partitions(store, p)
         return out
     finally:
         await store.close()

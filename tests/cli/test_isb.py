@@ -242,4 +242,4 @@ def test_up_help_teaches_both_stores_with_examples():
     assert r.exit_code == 0
     text = " ".join(r.stdout.split())
     assert "isbflow isb up -f pipelines/logs.yaml" in text and "redis.native" in text and "url: embedded" in text
-    assert "rescale and scale to zero" in text and "'isbflow isb diff' is JetStream's only" in text
+    assert "rescale and scale to zero, as on JetStream" in text

@@ -1,4 +1,4 @@
-"""``isbflow.ops.rescale`` on Redis buffers (a real redis-server, the pipeline not running, no
+"""``isbflow.ops.rescale`` and ``isb diff`` on Redis buffers (a real redis-server, the pipeline not running, no
 Spark): the partitions a larger count adds are made, with the pipeline's ACL user allowed on
 them; a smaller count removes the extra partitions and their committed sequences; unread entries
 refuse a removal, and ``force`` drops them counted. The same contract as on JetStream
@@ -67,6 +67,10 @@ def test_grow_shrink_and_unread_partitions_on_redis(redis_server, tmp_path):
     grown = rescale(4)
     assert (grown.before, grown.after, grown.created, grown.removed) == (2, 4, streams(4)[2:], [])
     assert held(4) == streams(4)
+    assert ops_isb.diff(admin, load(4)[1]) == []  # isb diff: the store holds what the spec says
+    drift = ops_isb.diff(admin, load(1)[1])  # the spec says 1, the store holds 4
+    assert [(d.resource, d.field, d.spec, d.server, d.cls.value) for d in drift] == [
+        (s, "exists", False, True, "safe") for s in streams(4)[1:]]
     # the pipeline's ACL user was given the new partitions (its writer routes records into them)
     written = asyncio.run(on_store(user, lambda s: s.buffer(streams(4)[3]).write([OutFrame("f-1", b"x", 1)])))
     assert [w.duplicate for w in written] == [False]
@@ -89,5 +93,9 @@ def test_grow_shrink_and_unread_partitions_on_redis(redis_server, tmp_path):
     forced = rescale(2, force=True)
     assert forced.removed == streams(4)[2:] and forced.dropped == {streams(4)[3]: 1}
     assert held(2) == streams(2)
+    assert ops_isb.diff(admin, load(2)[1]) == []
+    asyncio.run(on_store(admin, lambda s: s.buffer(streams(2)[1]).delete()))  # lost, or never applied
+    assert [(d.resource, d.field, d.spec, d.server) for d in ops_isb.diff(admin, load(2)[1])] == [
+        (streams(2)[1], "exists", True, False)]
     # a removed partition's committed sequence goes with it: created again, it starts unread
     assert asyncio.run(on_store(admin, lambda s: get_committed(s, "resc", "raw", streams(4)[2]))) is None
