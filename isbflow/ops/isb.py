@@ -26,7 +26,7 @@ from isbflow.isb.provision import (
     desired_resources,
 )
 from isbflow.isb.provision_partitions import extra_partitions
-from isbflow.isb.roles import PipelineGrant, pipeline_grants
+from isbflow.isb.roles import READER, PipelineGrant, pipeline_grants
 from isbflow.isb.server import (
     check_grantable,
     grant_pipelines,
@@ -38,7 +38,7 @@ from isbflow.ops.isb_service import require_jetstream
 from isbflow.spec import Specs
 from isbflow.spec.models import Pipeline
 
-__all__ = ["Action", "ChangeClass", "Drift", "OwnershipRefused", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
+__all__ = ["READER", "Action", "ChangeClass", "Drift", "OwnershipRefused", "ProvisionError", "ProvisionRefused", "ProvisionReport", "StreamStatus",
            "Unreachable", "apply", "delete", "diff", "grant", "granted", "role_settings", "planned_count", "status"]
 
 

@@ -779,6 +779,19 @@ def test_a_pipeline_on_redis_buffers_shows_on_the_pipelines_page(ui, site):
         one(html, "data-pipeline", "rdemo", tag="section")
         rows = {a["data-step"]: a["data-state"] for _, a, _ in find(html, "data-step", tag="tr")}
         assert rows == {"in": "running", "raw": "running"}
+
+        # it reads as the store's read-only 'reader' user, not the admin: with that user off it cannot
+        async def reader(state: str) -> None:
+            store = await connect(admin)
+            try:
+                await store.client.execute_command("ACL", "SETUSER", "reader", state)
+            finally:
+                await store.close()
+
+        asyncio.run(reader("off"))  # (the UI caches settings, not connections: the next read logs in again)
+        assert ui.get("/isbflow/api/pipelines?pipeline=rdemo").json()["pipelines"][0]["nats_error"]
+        asyncio.run(reader("on"))
+        assert ui.get("/isbflow/api/pipelines?pipeline=rdemo").json()["pipelines"][0]["nats_error"] is None
     finally:
         spec.unlink(missing_ok=True)
         redis_server.stop_redis(site.data_dir)

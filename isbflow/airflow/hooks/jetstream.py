@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from isbflow.ops.connection import NatsSettings, connect, resolve_settings
+from isbflow.ops.connection import NatsSettings, connect, default_data_dir, resolve_settings
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -133,7 +133,15 @@ READER_CONN_ID = "nats_reader"
 def reader_settings(data_dir: str | Path | None = None,
                     service: InterStepBufferService | None = None) -> NatsSettings:
     """Settings for what only reads (the UI): the ``nats_reader`` connection (the platform defines it
-    with the embedded server's ``reader`` user), else the default connection and its fallback."""
+    with the embedded server's ``reader`` user), else the default connection and its fallback; for a
+    Redis service, its native redis-server's ``reader`` ACL user (the admin's settings when isbflow
+    provisioned no pipeline there yet, or the server is external)."""
+    if service is not None and service.store == "redis":
+        # lazy: ops.isb loads the provisioning code; only a Redis service needs it here
+        from isbflow.ops.isb import READER, role_settings
+
+        settings = resolve_settings(data_dir=data_dir, service=service)
+        return role_settings(settings, Path(data_dir) if data_dir is not None else default_data_dir(), READER)
     hook = JetStreamHook(READER_CONN_ID, data_dir=data_dir)
     try:
         conn = hook.get_connection(READER_CONN_ID)

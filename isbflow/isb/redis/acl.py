@@ -9,6 +9,9 @@ user               may
 ``default``        everything (the admin, ``requirepass``: provisioning, recovery, the platform)
 ``producer``       write frames into the granted pipelines' source streams (the write script
                    and the commands it runs); read nothing
+``reader``         read, never write, every granted pipeline's streams' state and ranges and its
+                   control, status and ledger buckets: what the UI shows (read commands only, so
+                   no script it runs can write either)
 ``pipeline-<p>``   what pipeline ``p``'s drivers need on ``p``'s own streams only (its edge
                    partitions, source streams and dead letters): write, read ranges, wait for appends, release,
                    check for loss; read and write ``p``'s control, status and ledger buckets
@@ -44,12 +47,16 @@ from isbflow.isb.redis.server import USERS_FILE, redis_dir, secret, write_privat
 
 ADMIN = "default"
 PRODUCER = roles.PRODUCER
+READER = roles.READER
 pipeline_user = roles.pipeline_user
 
 #: what the write script (:data:`isbflow.isb.redis.scripts.WRITE`) runs, and how it is called
 WRITE_COMMANDS = ("ping", "eval", "evalsha", "time", "exists", "hget", "hset", "xlen", "xadd", "zscore", "zadd")
 #: the key-value buckets' commands (:class:`isbflow.isb.redis.kv.RedisKeyValue`, and reading a whole bucket)
 KV_COMMANDS = ("hget", "hset", "hdel", "hkeys", "hincrby", "hgetall")
+#: what reads a stream's state and ranges (the state and read scripts) and a whole bucket
+READ_COMMANDS = ("ping", "eval", "evalsha", "exists", "xinfo|stream", "xlen", "xrange", "hget", "hgetall", "hkeys",
+                 "zcard")
 #: a pipeline's drivers: writing, the read, release, state and create scripts, and its buckets
 PIPELINE_COMMANDS = tuple(dict.fromkeys((*WRITE_COMMANDS, *KV_COMMANDS, "xrange", "xread", "xtrim", "xinfo|stream",
                                          "zremrangebyscore", "zcard")))
@@ -84,7 +91,10 @@ def pipeline_buckets(pipeline: str) -> list[str]:
 
 def role_grants(grants: Sequence[roles.PipelineGrant]) -> dict[str, tuple[list[str], tuple[str, ...]]]:
     """Every role user: (its key rules, its commands)."""
-    out = {PRODUCER: (key_patterns(s for g in grants for s in g.sources), WRITE_COMMANDS)}
+    out = {PRODUCER: (key_patterns(s for g in grants for s in g.sources), WRITE_COMMANDS),
+           # ``~``, not ``%R~``: Redis takes EVAL's keys as written to; the commands are what keep it read-only
+           READER: ([*key_patterns(s for g in grants for s in [*g.buffers, *g.sources, g.dlq]),
+                     *bucket_patterns(b for g in grants for b in pipeline_buckets(g.pipeline))], READ_COMMANDS)}
     for g in grants:
         keys = [*key_patterns([*g.buffers, *g.sources, g.dlq]), *bucket_patterns(pipeline_buckets(g.pipeline)),
                 *bucket_patterns(g.references, read_only=True)]

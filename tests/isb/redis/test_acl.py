@@ -48,7 +48,7 @@ async def _refused(coro) -> str:
 
 def test_every_role_has_a_user_and_an_owner_only_password(granted):
     r, users = granted
-    assert users == ["producer", "pipeline-p", "pipeline-p-x"]
+    assert users == ["producer", "reader", "pipeline-p", "pipeline-p-x"]
     for user in users:
         mode = stat.S_IMODE(os.stat(acl.password_file(r.data_dir, user)).st_mode)
         assert mode == 0o600, f"{user}: {oct(mode)}"
@@ -166,6 +166,39 @@ def test_the_producer_reaches_no_bucket(granted):
     assert _noperm(refusals), refusals
 
 
+def test_the_reader_reads_every_granted_pipeline_and_writes_nothing(granted):
+    """What the UI shows: every granted pipeline's partition state and ranges, its status bucket;
+    no write anywhere (not even through a script), no other key."""
+    r, _ = granted
+
+    async def go():
+        admin = r.client()
+        await RedisBuffer(admin, "isb-p-x-a-b-0").write(FRAME)
+        await admin.hset(kv_key(naming.status_bucket("p")), "step.a", "running")
+        await admin.aclose()
+        async with RedisStore.open(r.data_dir, "reader") as store:
+            c = store.client
+            state = [await RedisBuffer(c, s).state() for s in ("isb-p-a-b-0", "isb-p-x-a-b-0", "src-p-x-in")]
+            read = await RedisBuffer(c, "isb-p-x-a-b-0").read(None, None, 10)
+            status = await (await store.kv(naming.status_bucket("p"))).items()
+            refusals = [
+                await _refused(RedisBuffer(c, "isb-p-a-b-0").write(FRAME)),
+                await _refused(RedisBuffer(c, "isb-p-x-a-b-0").release(1)),
+                await _refused((await store.kv(naming.status_bucket("p"))).put("step.a", b"x")),
+                await _refused(c.eval("return redis.call('DEL', KEYS[1])", 1, BufferKeys("isb-p-a-b-0").stream)),
+                await _refused((await store.kv(naming.reference_bucket("p", "t"))).get("k")),
+                await _refused(c.xrange(BufferKeys("isb-other-a-b-0").stream)),
+                await _refused(c.flushall()),
+            ]
+        return state, read, status, refusals
+
+    state, read, status, refusals = asyncio.run(go())
+    assert state[1] is not None and [f.payload for f in read] == [b"frame"]
+    assert status["step.a"] == b"running"  # (beside what the pipeline user wrote there)
+    assert len(refusals) == 7 and all(("NOPERM" in e or "no permissions" in e or "can't run" in e)
+                                      for e in refusals), refusals
+
+
 def test_the_users_survive_a_restart(granted):
     r, _ = granted
     r.restart()
@@ -205,7 +238,7 @@ def test_granting_again_gives_the_current_grants_and_removes_dropped_pipelines()
             return users, left, kept, dropped
 
         users, left, kept, dropped = asyncio.run(go())
-    assert users == ["producer", "pipeline-p"]
+    assert users == ["producer", "reader", "pipeline-p"]
     assert "pipeline-p-x" not in left and "pipeline-p" in left
     assert len(kept) == 1 and dropped
 
