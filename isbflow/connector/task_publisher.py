@@ -47,7 +47,7 @@ from isbflow.isb.ledger import ID_COLUMN
 from isbflow.isb.publish import ACK_TIMEOUT, Ack, AckedPublisher, resolve_future, settled
 from isbflow.isb.ranges import union
 from isbflow.isb.routed import routed_away
-from isbflow.isb.store import BufferFull, OutFrame, write_until_stored
+from isbflow.isb.store import BufferFull, OutFrame, has_buffer_role, write_until_stored
 from isbflow.spec.constants import OnFull
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class TaskPublisher:
         in calls of :data:`STORE_WRITE_FRAMES`, idempotent by frame id, the store refusing what a
         full partition cannot take)."""
         self.nc = nc
-        if callable(getattr(nc, "buffer", None)):
+        if has_buffer_role(nc):
             self.store_frames: dict[int, list[OutFrame]] | None = {}
             self.js = nc  # the dead-letter target: the store object itself (isb.dlq)
             self.max_payload = self.opts.max_payload or STORE_MAX_PAYLOAD

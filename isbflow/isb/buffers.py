@@ -28,7 +28,7 @@ from isbflow.isb import wait as js_wait
 from isbflow.isb.connect import IsbSettings, close_loop, connect
 from isbflow.isb.errors import BufferLost
 from isbflow.isb.read import Message, StreamState
-from isbflow.isb.store import incarnation_gone
+from isbflow.isb.store import has_buffer_role, incarnation_gone
 
 __all__ = ["Buffers", "JetStreamBuffers", "Message", "StreamState", "of", "read_partition", "read_range", "recreate_partitions", "release",
            "stream_state", "wait_for_append"]
@@ -167,11 +167,10 @@ async def recreate_partitions(conn: Any, streams: list[str], *,
     under its old offsets. ``(removed, created)``. A store object (Redis) does it itself; on
     JetStream the streams are deleted and ``provision()`` (the pipeline's provisioning, which
     returns its report) makes them again with their configured limits."""
-    own = getattr(conn, "buffer", None)
-    if own is not None and callable(own):
+    if has_buffer_role(conn):
         for s in streams:
-            await own(s).delete()
-            await own(s).create()
+            await conn.buffer(s).delete()
+            await conn.buffer(s).create()
         return list(streams), list(streams)
     js, removed = conn.jetstream(), []
     for s in streams:

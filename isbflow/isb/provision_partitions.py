@@ -36,6 +36,7 @@ from isbflow.isb.provision_plan import holding
 from isbflow.isb.provision_report import ChangeClass, Drift
 from isbflow.isb.provision_resources import Resource
 from isbflow.isb.state import committed_key, get_committed
+from isbflow.isb.store import has_buffer_role
 from isbflow.spec import derived
 from isbflow.spec.fields import MAX_PARTITIONS
 
@@ -72,11 +73,6 @@ async def _names(nc: nats.aio.client.Client, subject: str) -> list[str]:
     return json.loads(reply.data).get("streams") or []
 
 
-def _own_buffers(conn: Any) -> bool:
-    """A store object with its own buffer role (Redis), not a nats-py client."""
-    return callable(getattr(conn, "buffer", None))
-
-
 async def _held_on_store(store: Any, p: Pipeline, vertex: str) -> list[HeldPartition]:
     """:func:`held_partitions` on a store object: each partition that has an incarnation; unread,
     what it holds above the sequence the reading vertex committed (every entry when none is)."""
@@ -109,7 +105,7 @@ async def held_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str) 
     """Every partition stream the server holds for the buffers into ``vertex``, edge by edge in the
     spec's order, partitions in order (see the module docstring for *unread*); on a store object
     (Redis) every partition with an incarnation."""
-    if _own_buffers(nc):
+    if has_buffer_role(nc):
         return await _held_on_store(nc, p, vertex)
     js = nc.jetstream()
     out: list[HeldPartition] = []
@@ -149,7 +145,7 @@ async def extra_partitions(nc: nats.aio.client.Client, p: Pipeline) -> list[Drif
 async def remove_partitions(nc: nats.aio.client.Client, p: Pipeline, vertex: str, streams: list[str]) -> list[str]:
     """Delete ``streams`` (partitions of buffers into ``vertex``) and their committed sequences in the
     status bucket; the names deleted (a stream already gone is skipped)."""
-    if _own_buffers(nc):
+    if has_buffer_role(nc):
         return await _remove_on_store(nc, p, vertex, streams)
     js = nc.jetstream()
     try:

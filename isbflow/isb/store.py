@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 #: a store's offset type: totally ordered like the store's log
 Offset = TypeVar("Offset")
@@ -121,6 +121,12 @@ class StreamState:
     messages: int
     retention: str
     allow_direct: bool
+
+
+def has_buffer_role(conn: Any) -> bool:
+    """Whether ``conn`` is a store object with its own buffer role (``conn.buffer(stream)``: Redis),
+    not a nats-py client, whose buffers are JetStream streams."""
+    return callable(getattr(conn, "buffer", None))
 
 
 def incarnation_gone(st: StreamState | None, incarnation: str) -> str | None:

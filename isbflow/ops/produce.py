@@ -38,7 +38,7 @@ from nats.js.errors import NoStreamResponseError, NotFoundError
 from isbflow.isb import naming
 from isbflow.isb.connect import NatsSettings, session
 from isbflow.isb.publish import Ack, AckedPublisher
-from isbflow.isb.store import OutFrame, write_until_stored
+from isbflow.isb.store import OutFrame, has_buffer_role, write_until_stored
 from isbflow.spec.models import Pipeline
 
 BASE_TIME = datetime(2025, 1, 1, tzinfo=UTC)
@@ -337,7 +337,7 @@ async def produce(
     step = 1 if bucket is None else max(1, int(bucket.burst))
 
     async with session(settings, name="isbflow-produce") as nc:
-        if callable(getattr(nc, "buffer", None)):  # a store with a writer role (Redis)
+        if has_buffer_role(nc):  # a store with a writer role (Redis)
             return await _produce_to_store(nc, settings, pipeline, name, stream, subject, seed=seed, start=start,
                                            count=count, malformed_every=malformed_every, shift_ms=shift_ms,
                                            bucket=bucket, progress=progress)

@@ -124,6 +124,7 @@ log = logging.getLogger(__name__)
 #: the partitions of a files source's ids (``files/<name>/<line>``)
 LANDED_PARTITION = re.compile(rf"^{ID_PREFIX}/[^/]+$")
 
+
 class RecoveryError(Exception):
     """Recovery could not proceed; the message says which phase, what, and what to do."""
 
