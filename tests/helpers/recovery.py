@@ -39,6 +39,7 @@ from isbflow.ops.produce import is_malformed, produce
 from isbflow.spec import Specs, load_specs
 from isbflow.spec.models import Pipeline
 from isbflow.steps.drain import drain_pipeline
+from isbflow.steps.launch import launch_pipeline, wait_exit
 from isbflow.steps.runner import PipelineRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +109,30 @@ class Producer(threading.Thread):
         assert not self.is_alive(), "the producer did not stop"
         assert self.error is None, f"the producer failed: {self.error!r}"
         return self.published
+
+
+def in_flight(query: Path) -> list[int]:
+    """Batch ids whose offsets the query's checkpoint logged but never committed (running now, or
+    when its driver was killed)."""
+    def ids(sub: str) -> set[int]:
+        return {int(f.name) for f in (query / sub).glob("[0-9]*")} if (query / sub).is_dir() else set()
+
+    return sorted(ids("offsets") - ids("commits"))
+
+
+def relaunch_and_drain(spec: Path, data_dir: Path, settings: NatsSettings, p: Pipeline, killed, source: str,
+                       published: int, timeout: float = 300.0):
+    """After ``killed`` (a launch record) was killed: launch the driver again on the same checkpoints,
+    wait until its source step has committed ``published`` events of stream ``source``, drain the
+    pipeline (every step ``drained``) and wait for the driver to exit; the new launch record."""
+    again = launch_pipeline(spec, data_dir, settings, workdir=ROOT)
+    assert not again.reused and again.pid != killed.pid
+    wait_for(lambda: committed(settings, p, "in", source) >= published, timeout,
+             lambda: f"the restarted driver to read every event: {driver_report(settings, p, again)}")
+    final = drain(settings, p, timeout=300)
+    assert {v: s.state for v, s in final.items()} == {v: "drained" for v in p.topological_order()}
+    assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
+    return again
 
 
 # ----------------------------------------------------------------------------- small tools

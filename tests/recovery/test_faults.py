@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-from pathlib import Path
 
 import pytest
 from nats.js.api import StorageType, StreamConfig
@@ -31,7 +29,7 @@ from isbflow.isb.connect import connect
 from isbflow.ops.produce import log_event, produce
 from isbflow.recovery.recover import RecoveryError, recover
 from isbflow.steps.drain import DrainTimeout, drain_pipeline
-from isbflow.steps.launch import launch_pipeline, stop_launch, wait_exit
+from isbflow.steps.launch import launch_pipeline, stop_launch
 from tests.helpers import recovery as h
 
 
@@ -135,46 +133,6 @@ def test_e_slow_step_behind_a_tiny_buffer_gets_backpressure_not_loss(spark, nats
 MALFORMED_EVERY = 250
 
 
-def _in_flight_batches(checkpoints: Path) -> dict[str, list[int]]:
-    """Query -> batch ids whose offsets Spark logged but never committed (running when killed)."""
-    out = {}
-    for q in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
-        offsets = {int(f.name) for f in (q / "offsets").glob("[0-9]*")} if (q / "offsets").is_dir() else set()
-        commits = {int(f.name) for f in (q / "commits").glob("[0-9]*")} if (q / "commits").is_dir() else set()
-        if offsets - commits:
-            out[q.name] = sorted(offsets - commits)
-    return out
-
-
-class Producer(threading.Thread):
-    """Publishes events ``start, start+1, ...`` at ``rate`` (one :func:`h.publish` of ``rate``
-    events a second) until :meth:`stop`; ``published`` counts what it published (the whole
-    chunk that runs when stopped included), ``error`` holds what made it fail."""
-
-    def __init__(self, settings, p, start: int, rate: int):
-        super().__init__(daemon=True)
-        self.settings, self.p, self.start_at, self.rate = settings, p, start, rate
-        self.published = 0
-        self.error: BaseException | None = None
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self.stopped.is_set():
-                h.publish(self.settings, self.p, self.rate, start=self.start_at + self.published,
-                          malformed_every=MALFORMED_EVERY, rate=self.rate)
-                self.published += self.rate
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test
-            self.error = e
-
-    def stop(self, timeout: float) -> int:
-        self.stopped.set()
-        self.join(timeout)
-        assert not self.is_alive(), "the producer did not stop"
-        assert self.error is None, f"the producer failed: {self.error!r}"
-        return self.published
-
-
 @pytest.mark.timeout(1500)
 def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_server, tmp_path):
     """``isbflow pipeline run --trigger continuous`` as a detached driver, SIGKILLed (driver,
@@ -186,7 +144,7 @@ def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_ser
     data_dir = tmp_path / "data"
     first, rate = 2000, 100
     h.publish(settings, p, first, malformed_every=MALFORMED_EVERY)
-    producer = Producer(settings, p, first, rate)
+    producer = h.Producer(settings, p, first, rate, malformed_every=MALFORMED_EVERY)
     try:
         rec = launch_pipeline(spec, data_dir, settings, workdir=h.ROOT)
         h.wait_for(lambda: _all_running(settings, p, rec.pid), 300,
@@ -202,20 +160,14 @@ def test_c_driver_killed_mid_batch_restarts_from_its_checkpoints(spark, nats_ser
 
         h.kill_group(rec.pid)
 
-        in_flight = _in_flight_batches(data_dir / "checkpoints" / p.name)
+        checkpoints = data_dir / "checkpoints" / p.name
+        in_flight = {q.name: b for q in sorted(checkpoints.iterdir()) if (b := h.in_flight(q))}
         print(f"killed pid {rec.pid}; batches logged but not committed: {in_flight}")
         at_kill = producer.published
         h.wait_for(lambda: producer.published >= at_kill + 2 * rate or producer.error, 60,
                    "the producer to publish while the driver is down")
-        during = producer.stop(60)
-        again = launch_pipeline(spec, data_dir, settings, workdir=h.ROOT)
-        assert not again.reused and again.pid != rec.pid
-        published = first + during
-        h.wait_for(lambda: h.committed(settings, p, "in", "src-logs-in") >= published, 400,
-                   lambda: f"the restarted driver to read every event: {h.driver_report(settings, p, again)}")
-        final = h.drain(settings, p, timeout=300)
-        assert {v: s.state for v, s in final.items()} == {v: "drained" for v in p.topological_order()}
-        assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
+        published = first + producer.stop(60)
+        h.relaunch_and_drain(spec, data_dir, settings, p, rec, "src-logs-in", published, timeout=400)
     finally:
         producer.stopped.set()
         stop_launch(data_dir, p.name, grace=20)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -29,21 +28,13 @@ from isbflow.ops import isb as ops_isb
 from isbflow.ops.produce import produce
 from isbflow.spec import load_specs
 from isbflow.spec.paths import DataDir
-from isbflow.steps.launch import launch_pipeline, stop_launch, wait_exit
+from isbflow.steps.launch import launch_pipeline, stop_launch
 from tests.helpers import recovery as h
 
 SPEC = h.SPECS / "fault-redis.yaml"
 MALFORMED_EVERY = 250
 #: frames the partition parse -> minutely may hold: ceil(bufferMaxLength 400 x 50% / 10000 rows a frame)
 CAPACITY = 1
-
-
-def _in_flight(query: Path) -> list[int]:
-    """Batch ids whose offsets the query's checkpoint logged but never committed (running now)."""
-    def ids(sub: str) -> set[int]:
-        return {int(f.name) for f in (query / sub).glob("[0-9]*")} if (query / sub).is_dir() else set()
-
-    return sorted(ids("offsets") - ids("commits"))
 
 
 def _partitions(settings, p) -> tuple[list[str], set[str]]:
@@ -96,7 +87,7 @@ def test_redis_driver_killed_while_its_writer_waits_for_room_restarts_exact(spar
             """parse's running batch once it has stored its raw frame and minutely's partition is full
             of earlier batches' frames (its writer waits for room), else None."""
             nonlocal fullest
-            running = _in_flight(parse_checkpoint)
+            running = h.in_flight(parse_checkpoint)
             held, raw_ids = _partitions(admin, p)
             fullest = max(fullest, len(held))
             if (running and len(held) >= CAPACITY and all(_batch_of(f) < running[-1] for f in held)
@@ -110,19 +101,13 @@ def test_redis_driver_killed_while_its_writer_waits_for_room_restarts_exact(spar
 
         h.kill_group(rec.pid)
 
-        assert batch in _in_flight(parse_checkpoint), (
+        assert batch in h.in_flight(parse_checkpoint), (
             f"parse's batch {batch} committed before the kill: its writer did not wait for room")
         at_kill = producer.published
         h.wait_for(lambda: producer.published >= at_kill + 2 * rate or producer.error, 60,
                    "the producer to publish while the driver is down")
         published = first + producer.stop(60)
-        again = launch_pipeline(SPEC, data_dir, user, workdir=h.ROOT)
-        assert not again.reused and again.pid != rec.pid
-        h.wait_for(lambda: h.committed(admin, p, "in", source) >= published, 300,
-                   lambda: f"the restarted driver to read every event: {h.driver_report(admin, p, again)}")
-        final = h.drain(admin, p, timeout=300)
-        assert {v: s.state for v, s in final.items()} == {v: "drained" for v in p.topological_order()}
-        assert wait_exit(again, 120), f"the driver did not exit after draining (log {again.log})"
+        h.relaunch_and_drain(SPEC, data_dir, user, p, rec, source, published)
     finally:
         producer.stopped.set()
         stop_launch(data_dir, p.name, grace=20)
